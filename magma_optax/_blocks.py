@@ -1,0 +1,154 @@
+"""Blocks: how a parameter tensor is cut into the blocks that share one mask draw.
+
+Every mask in this package acts per *block* b (paper Algorithm 1; Table A2 ablates the
+block size). A block layout maps a leaf of shape ``S`` to a (possibly smaller) array of
+per-block values, and back:
+
+* ``"tensor"`` (default): the whole leaf is one block.
+* ``"row"``: one block per slice along the last axis (``S[:-1]`` blocks).
+* ``"column"``: one block per index of the last axis (``S[-1]`` blocks).
+* ``"element"``: every entry is its own block.
+* a tile shape such as ``(3, 3)``: the last ``len(tile)`` axes are cut into tiles; every
+  tile is a block (leading axes index separate tiles). Each tiled axis must be divisible
+  by its tile size.
+
+Leaves with fewer axes than the granularity needs (``"row"``/``"column"`` on a scalar
+or vector, a 2-D tile on a vector) are one block: a bias never gets a row mask by
+accident, and the decision is stated here rather than guessed per call.
+
+``stack_axes=k`` treats the first ``k`` axes as an index over stacked layers (a model
+scanned over layers stores all layers in one leaf): each slice along them is blocked
+separately with the chosen granularity, so ``"tensor"`` means one block per layer.
+
+Layouts are computed from static shapes only, so they cost nothing under ``jax.jit``:
+``block_sum`` is a reshape plus a reduction, ``to_leaf`` a reshape plus a broadcast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Union
+
+import jax
+import jax.numpy as jnp
+
+Granularity = Union[str, tuple[int, ...]]
+
+NAMED_GRANULARITIES = ("tensor", "row", "column", "element")
+
+
+def validate_granularity(granularity: Granularity) -> Granularity:
+  """Returns ``granularity`` normalised, or raises ``ValueError`` naming the choices."""
+  if isinstance(granularity, str):
+    if granularity not in NAMED_GRANULARITIES:
+      raise ValueError(
+          f"granularity must be one of {NAMED_GRANULARITIES} or a tile shape such"
+          f" as (3, 3); got {granularity!r}."
+      )
+    return granularity
+  if isinstance(granularity, Sequence) and len(granularity) > 0:
+    tile = tuple(granularity)
+    if all(isinstance(t, int) and not isinstance(t, bool) and t >= 1 for t in tile):
+      return tile
+  raise ValueError(
+      f"granularity must be one of {NAMED_GRANULARITIES} or a tile shape of positive"
+      f" ints such as (3, 3); got {granularity!r}."
+  )
+
+
+def validate_stack_axes(stack_axes: int) -> int:
+  """Checks that ``stack_axes`` is a non-negative int."""
+  if isinstance(stack_axes, bool) or not isinstance(stack_axes, int) or stack_axes < 0:
+    raise ValueError(f"stack_axes must be an int >= 0; got {stack_axes!r}.")
+  return stack_axes
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockLayout:
+  """How one leaf is cut into blocks (all fields static).
+
+  Attributes:
+    shape: the leaf's shape.
+    expanded_shape: the leaf reshaped so that block axes and within-block axes are
+      separate axes (a free reshape of a contiguous array).
+    reduce_axes: the axes of ``expanded_shape`` that lie within a block.
+  """
+
+  shape: tuple[int, ...]
+  expanded_shape: tuple[int, ...]
+  reduce_axes: tuple[int, ...]
+
+  @property
+  def block_shape(self) -> tuple[int, ...]:
+    """Shape of the per-block arrays (scores, masks) of this leaf."""
+    return tuple(
+        d for i, d in enumerate(self.expanded_shape) if i not in self.reduce_axes
+    )
+
+  @property
+  def block_size(self) -> int:
+    """Number of entries in one block (all blocks of a leaf have the same size)."""
+    return math.prod(self.expanded_shape[i] for i in self.reduce_axes)
+
+  @property
+  def num_blocks(self) -> int:
+    return math.prod(self.block_shape)
+
+  def block_sum(self, x: jax.Array) -> jax.Array:
+    """Sums a leaf-shaped array within each block; returns ``block_shape``."""
+    return jnp.sum(x.reshape(self.expanded_shape), axis=self.reduce_axes)
+
+  def to_leaf(self, values: jax.Array) -> jax.Array:
+    """Broadcasts per-block values back to the leaf's shape."""
+    keep = tuple(
+        1 if i in self.reduce_axes else d for i, d in enumerate(self.expanded_shape)
+    )
+    return jnp.broadcast_to(values.reshape(keep), self.expanded_shape).reshape(
+        self.shape
+    )
+
+
+def block_layout(
+    shape: Sequence[int], granularity: Granularity, stack_axes: int = 0
+) -> BlockLayout:
+  """Returns the :class:`BlockLayout` of a leaf of ``shape``.
+
+  Raises:
+    ValueError: if ``stack_axes`` exceeds the leaf's rank or a tile does not divide
+      the axes it cuts.
+  """
+  shape = tuple(int(d) for d in shape)
+  if stack_axes > len(shape):
+    raise ValueError(
+        f"stack_axes={stack_axes} but a leaf has shape {shape} (rank {len(shape)});"
+        " stack_axes must be <= the rank of every scoped leaf."
+    )
+  lead, body = shape[:stack_axes], shape[stack_axes:]
+  k = len(lead)
+  body_axes = tuple(range(k, len(shape)))
+  if granularity == "element":
+    return BlockLayout(shape, shape, ())
+  if granularity == "row" and len(body) >= 2:
+    return BlockLayout(shape, shape, (len(shape) - 1,))
+  if granularity == "column" and len(body) >= 2:
+    return BlockLayout(shape, shape, body_axes[:-1])
+  if isinstance(granularity, tuple) and len(body) >= len(granularity):
+    r = len(granularity)
+    tiled = body[len(body) - r :]
+    for dim, t in zip(tiled, granularity, strict=True):
+      if dim % t:
+        raise ValueError(
+            f"granularity tile {granularity} does not divide the last {r} axes"
+            f" {tiled} of a leaf of shape {shape}; choose a tile whose sizes"
+            " divide those axes, or scope the leaf out with `where`."
+        )
+    expanded = lead + body[: len(body) - r]
+    reduce_axes = []
+    for dim, t in zip(tiled, granularity, strict=True):
+      expanded += (dim // t, t)
+      reduce_axes.append(len(expanded) - 1)
+    return BlockLayout(shape, expanded, tuple(reduce_axes))
+  # "tensor", and the fall-back for leaves with too few axes for the granularity.
+  return BlockLayout(shape, shape, body_axes)

@@ -1,0 +1,243 @@
+"""Scoping: which leaves a mask acts on, with which label and keep probability.
+
+The paper applies Magma to attention and MLP weights only; embeddings, the output head,
+norms and biases take the plain base update (arXiv 2602.15322, Sec. 5 and the 130M
+ablation). Here that is the ``where=`` argument every mask takes:
+
+* ``where=None``: every floating-point leaf is masked;
+* ``where=callable(path, leaf) -> bool``: e.g. :func:`attention_mlp_weights`, the
+  paper's scope;
+* ``where=`` a pytree of bools with the parameters' structure.
+
+``path`` is a JAX key path (``jax.tree_util.tree_flatten_with_path``). The leaf passed
+is the parameter at ``init`` and the incoming update at ``update`` (same path, shape and
+dtype), so predicates should look at those only. Integer and other non-float leaves
+are never masked; they pass through unchanged.
+
+Labels group leaves for per-label keep probabilities and for logging:
+:func:`transformer_labels` names a leaf ``"attention"``, ``"mlp"`` or ``"other"`` from
+the usual Flax / Hugging Face module names. Passing ``keep_prob={"attention": 0.6,
+"mlp": 0.8, "other": 0.9}`` gives each label its own probability; leaves whose label is
+absent from the mapping are not masked, and a label that matches no leaf is an error
+(a typo must not silently turn masking off).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, Union
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from magma_optax import _blocks
+from magma_optax import _schedules
+
+KeyPath = tuple[Any, ...]
+Where = Union[None, Callable[[KeyPath, Any], bool], Any]
+Labels = Union[None, Callable[[KeyPath, Any], str], Any]
+
+# Module names, lower-cased. Whole path components are matched against the short
+# names; the long ones may appear inside a component (``SelfAttention_0``).
+_OTHER_SUBSTRINGS = ("norm", "embed", "lm_head", "wte", "wpe", "ln_")
+_OTHER_NAMES = ("head", "ln", "ln1", "ln2", "ln_f", "scale", "bias")
+_ATTENTION_SUBSTRINGS = ("attn", "attention")
+_ATTENTION_NAMES = (
+    "q", "k", "v", "o", "wq", "wk", "wv", "wo", "qkv", "query", "key", "value",
+    "q_proj", "k_proj", "v_proj", "o_proj", "out_proj", "c_attn",
+)  # fmt: skip
+_MLP_SUBSTRINGS = ("mlp", "ffn", "feed_forward", "feedforward")
+_MLP_NAMES = (
+    "fc1", "fc2", "w1", "w2", "w3", "wi", "wi_0", "wi_1", "gate", "up", "down",
+    "gate_proj", "up_proj", "down_proj", "c_fc", "dense_h_to_4h", "dense_4h_to_h",
+)  # fmt: skip
+
+
+def path_names(path: KeyPath) -> tuple[str, ...]:
+  """The names along a key path, lower-cased (``DictKey``, attribute, index...)."""
+  names = []
+  for entry in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(entry, attr):
+        names.append(str(getattr(entry, attr)).lower())
+        break
+    else:
+      names.append(str(entry).lower())
+  return tuple(names)
+
+
+def transformer_labels(path: KeyPath, leaf: Any = None) -> str:
+  """Labels a transformer parameter ``"attention"``, ``"mlp"`` or ``"other"`` by path.
+
+  The label is decided by module names along the path: an attention module
+  (``attn``, ``attention``, ``q_proj``, ``query``, ``wq``, ...) gives
+  ``"attention"``; an MLP (``mlp``, ``ffn``, ``gate_proj``, ``fc1``, ``w1``, ...)
+  gives ``"mlp"``; norms, embeddings and the output head, wherever they sit, and
+  everything else give ``"other"``. The leaf is not inspected.
+
+  Args:
+    path: a JAX key path, as from ``jax.tree_util.tree_flatten_with_path``.
+    leaf: unused; accepted so the function works as a ``labels=`` callable.
+
+  Returns:
+    ``"attention"``, ``"mlp"`` or ``"other"``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import magma_optax as magma
+    >>> params = {"layer_0": {"attn": {"q_proj": {"kernel": jnp.ones((4, 4))}},
+    ...                       "mlp": {"up_proj": {"kernel": jnp.ones((4, 8))}}},
+    ...           "embed": {"embedding": jnp.ones((10, 4))}}
+    >>> jax.tree_util.tree_map_with_path(magma.transformer_labels, params)
+    {'embed': {'embedding': 'other'}, 'layer_0': {'attn': {'q_proj': {'kernel': 'attention'}}, 'mlp': {'up_proj': {'kernel': 'mlp'}}}}
+  """  # noqa: E501
+  del leaf
+  names = path_names(path)
+  if any(s in n for n in names for s in _OTHER_SUBSTRINGS):
+    return "other"
+  if any(n in _OTHER_NAMES for n in names[:-1]):
+    return "other"
+  if any(s in n for n in names for s in _ATTENTION_SUBSTRINGS) or any(
+      n in _ATTENTION_NAMES for n in names[:-1]
+  ):
+    return "attention"
+  if any(s in n for n in names for s in _MLP_SUBSTRINGS) or any(
+      n in _MLP_NAMES for n in names[:-1]
+  ):
+    return "mlp"
+  return "other"
+
+
+def attention_mlp_weights(path: KeyPath, leaf: Any) -> bool:
+  """The paper's scope: matrices (rank >= 2) of attention and MLP modules.
+
+  Use as ``where=magma.attention_mlp_weights``. Biases, norms, embeddings and the
+  output head take the plain base update, as in arXiv 2602.15322 (Sec. 5).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import optax, magma_optax as magma
+    >>> tx = magma.magma(optax.adam(1e-3), where=magma.attention_mlp_weights)
+  """
+  return jnp.ndim(leaf) >= 2 and transformer_labels(path) in ("attention", "mlp")
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPlan:
+  """What a mask does to one leaf (static, rebuilt identically at init and update).
+
+  Attributes:
+    index: position of the leaf in the flattened tree (enters the mask's PRNG key).
+    label: the leaf's label (for per-label keep probabilities and statistics).
+    layout: the leaf's block layout, or ``None`` when the leaf is not masked.
+    keep_prob: the leaf's keep probability (float, array or schedule).
+  """
+
+  index: int
+  label: str
+  layout: _blocks.BlockLayout | None
+  keep_prob: Any = None
+
+
+def _per_leaf(spec: Any, paths_leaves, treedef, name: str) -> list[Any]:
+  """Expands ``spec`` (callable(path, leaf) or a pytree like the params) per leaf."""
+  if callable(spec):
+    return [spec(p, x) for p, x in paths_leaves]
+  try:
+    values = treedef.flatten_up_to(spec)
+  except (ValueError, TypeError) as e:
+    raise ValueError(
+        f"{name} must be a callable (path, leaf) -> value or a pytree with the"
+        f" parameters' structure; {e}"
+    ) from None
+  return list(values)
+
+
+def validate_keep_prob(keep_prob: Any) -> Any:
+  """Checks a keep probability, or a mapping label -> keep probability."""
+  if isinstance(keep_prob, Mapping):
+    if not keep_prob:
+      raise ValueError("keep_prob mapping must name at least one label.")
+    for label, value in keep_prob.items():
+      _schedules.check_probability(f"keep_prob[{label!r}]", value)
+    return dict(keep_prob)
+  return _schedules.check_probability("keep_prob", keep_prob)
+
+
+def plan_leaves(
+    tree: Any,
+    *,
+    where: Where,
+    labels: Labels,
+    keep_prob: Any,
+    granularity: _blocks.Granularity,
+    stack_axes: int,
+) -> tuple[list[LeafPlan], Any]:
+  """Builds the per-leaf plan of a mask for ``tree`` (params or updates).
+
+  Returns:
+    The list of :class:`LeafPlan` (one per leaf, in flattening order) and the treedef.
+  """
+  paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  leaves = [x for _, x in paths_leaves]
+  if where is None:
+    scoped = [True] * len(leaves)
+  else:
+    scoped = [bool(s) for s in _per_leaf(where, paths_leaves, treedef, "where")]
+  label_list = _per_leaf(
+      transformer_labels if labels is None else labels, paths_leaves, treedef, "labels"
+  )
+  by_label = isinstance(keep_prob, Mapping)
+  if by_label:
+    unknown = set(keep_prob) - set(label_list)
+    if unknown:
+      raise ValueError(
+          f"keep_prob names labels {sorted(unknown)} that match no parameter; the"
+          f" labels present are {sorted(set(label_list))}."
+      )
+  plans = []
+  for i, ((_, x), ok, label) in enumerate(
+      zip(paths_leaves, scoped, label_list, strict=True)
+  ):
+    floating = hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+    if by_label:
+      ok = ok and label in keep_prob
+      p = keep_prob.get(label)
+    else:
+      p = keep_prob
+    if ok and floating:
+      layout = _blocks.block_layout(jnp.shape(x), granularity, stack_axes)
+      plans.append(LeafPlan(i, str(label), layout, p))
+    else:
+      plans.append(LeafPlan(i, str(label), None, None))
+  return plans, treedef
+
+
+def match_state(plans: list[LeafPlan], state_tree: Any) -> list[LeafPlan]:
+  """Restricts ``plans`` to the leaves that have per-block state.
+
+  The state decided at ``init`` which leaves are masked (from the parameters); at
+  ``update`` the incoming tree may differ in dtype (a base optimizer may turn an
+  integer parameter's update into floats), so the state is the authority.
+  """
+  is_masked = lambda x: isinstance(x, optax.MaskedNode)
+  state_leaves = jax.tree.leaves(state_tree, is_leaf=is_masked)
+  if len(state_leaves) != len(plans):
+    raise ValueError(
+        f"the updates have {len(plans)} leaves but the mask state was built for"
+        f" {len(state_leaves)}; init the optimizer with the same parameter tree."
+    )
+  out = []
+  for plan, leaf in zip(plans, state_leaves, strict=True):
+    if is_masked(leaf):
+      out.append(dataclasses.replace(plan, layout=None, keep_prob=None))
+    elif plan.layout is None:
+      raise ValueError(
+          f"leaf {plan.index} had a mask at init but is unscoped now; `where` and"
+          " `labels` must depend only on the path, shape and dtype of a leaf."
+      )
+    else:
+      out.append(plan)
+  return out

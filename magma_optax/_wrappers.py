@@ -1,0 +1,238 @@
+"""The paper's methods as wrappers: the base optimizer runs densely, its update is masked.
+
+``magma(base)`` and ``skip_update(base)`` implement Algorithm 1 of arXiv 2602.15322:
+the base optimizer (Adam, RMSProp, SGD with momentum, Lion, Muon, ...) sees every
+gradient and updates *all* of its moments ("dense moments"); only the update it
+returns is masked per block. The effective step is about 0.25x the base's at the
+defaults (p = 0.5 and scores near 0.5), so re-tune the learning rate: the paper's best
+learning rate for Adam+Magma is larger than Adam's.
+
+Momentum for Magma's cosine: the wrapper reads the base optimizer's own first moment
+after its update (``mu`` of Adam / AdamW / Lion / Muon, ``trace`` of SGD with momentum),
+found by name with ``optax.tree_utils.tree_get_all_with_path`` and accepted for a leaf
+only when its shape matches the parameter. Leaves for which the base keeps no momentum
+(RMSProp, plain SGD) get the wrapper's own EMA of the gradient (``momentum_decay``).
+No second momentum buffer is allocated when the base already has one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from magma_optax import _alignment
+from magma_optax import _blocks
+from magma_optax import _masks
+from magma_optax import _schedules
+from magma_optax import _scoping
+
+_MOMENTUM_FIELDS = ("mu", "trace")
+
+
+class MaskedUpdateState(NamedTuple):
+  """State of :func:`magma` and :func:`skip_update`.
+
+  Attributes:
+    inner_state: the base optimizer's state, updated densely every step.
+    mask_state: the mask's state: an :class:`AlignmentMaskState` (Magma) or a
+      :class:`BernoulliMaskState` (SkipUpdate).
+  """
+
+  inner_state: Any
+  mask_state: Any
+
+
+def base_momentum(inner_state: Any, like: Any) -> list[Any]:
+  """Per leaf of ``like``, the base optimizer's first moment, or ``None``.
+
+  Searches the base state for fields named ``mu`` or ``trace`` whose tree has the
+  parameters' structure (``optax.MaskedNode`` allowed, as ``optax.masked`` and
+  ``optax.multi_transform`` leave them); a leaf is taken when its shape matches.
+  """
+  like_leaves, treedef = jax.tree.flatten(like)
+  found: list[Any] = [None] * len(like_leaves)
+  is_masked = lambda x: isinstance(x, optax.MaskedNode)
+  for name in _MOMENTUM_FIELDS:
+    for _, value in optax.tree_utils.tree_get_all_with_path(inner_state, name):
+      leaves, value_def = jax.tree.flatten(value, is_leaf=is_masked)
+      if value_def != treedef:
+        continue
+      for i, (m, x) in enumerate(zip(leaves, like_leaves, strict=True)):
+        if found[i] is None and hasattr(m, "shape") and m.shape == jnp.shape(x):
+          found[i] = m
+  return found
+
+
+def magma(
+    base: optax.GradientTransformation,
+    *,
+    tau: _schedules.ScalarOrSchedule = 2.0,
+    keep_prob: _schedules.ScalarOrSchedule | dict = 0.5,
+    key: _masks.KeyLike = 0,
+    score_decay: float = 0.9,
+    init_score: float = 0.5,
+    momentum_decay: float = 0.9,
+    momentum: str = "auto",
+    granularity: _blocks.Granularity = "tensor",
+    stack_axes: int = 0,
+    where: _scoping.Where = None,
+    labels: _scoping.Labels = None,
+    momentum_dtype: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Magma (momentum-aligned gradient masking) around a base optimizer.
+
+  Algorithm 1 of the paper, per block b, with the base update Delta_t (learning rate
+  inside), gradient g_t and first moment mu_t (post-update)::
+
+      Delta_t, base_state <- base.update(g_t, base_state)        (dense moments)
+      s_t = score_decay s_{t-1} + (1 - score_decay) sigmoid(cos(mu_t, g_t) / tau)
+      z_t ~ Bernoulli(keep_prob)
+      u_t = s_t z_t Delta_t                   (biased on purpose: no 1/keep_prob)
+
+  Use ``optax.apply_updates(params, u_t)`` as usual (optax's sign convention: the
+  base's update already points downhill).
+
+  Args:
+    base: the base optimizer, e.g. ``optax.adam(1e-3)``.
+    tau: temperature tau > 0 (paper: 2.0); float or schedule.
+    keep_prob: probability p in (0, 1] of keeping a block (paper: 0.5); float,
+      schedule, or a mapping label -> probability.
+    key: PRNG key (int or ``jax.random.key``); keyword-only, default 0. Masks depend
+      only on (key, step, leaf, block), so they agree on every device and host.
+    score_decay: EMA decay of the score, in [0, 1) (paper: 0.9).
+    init_score: s_0 in [0, 1] (default 0.5).
+    momentum_decay: decay in [0, 1) of the wrapper's own gradient EMA, used only
+      for leaves where the base keeps no momentum (or with ``momentum="own"``).
+    momentum: ``"auto"`` (use the base's ``mu`` / ``trace`` when present) or
+      ``"own"`` (always keep a separate EMA).
+    granularity: block granularity (``"tensor"``, ``"row"``, ``"column"``,
+      ``"element"`` or a tile shape such as ``(3, 3)``).
+    stack_axes: number of leading axes that index stacked (scanned) layers.
+    where: which leaves get Magma; others take the plain base update. The paper
+      uses :func:`attention_mlp_weights`. Default ``None``: all floating leaves.
+    labels: labels for per-label keep probabilities and statistics (default
+      :func:`transformer_labels`).
+    momentum_dtype: dtype of the wrapper's own momentum buffers (default: the
+      parameter's).
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` with a :class:`MaskedUpdateState`;
+    extra args are passed on to ``base``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import magma_optax as magma
+    >>> tx = magma.magma(optax.adam(1e-3), key=0)
+    >>> params = {"w": jnp.ones((3, 4))}
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({"w": jnp.ones((3, 4))}, state, params)
+    >>> params = optax.apply_updates(params, updates)
+
+  References:
+    Joo et al., On Surprising Effectiveness of Masking Updates in Adaptive
+    Optimizers, arXiv 2602.15322 (2026), Algorithm 1.
+  """
+  if momentum not in ("auto", "own"):
+    raise ValueError(f"momentum must be 'auto' or 'own'; got {momentum!r}.")
+  base = optax.with_extra_args_support(base)
+  align = _alignment.make_alignment(
+      tau=tau,
+      keep_prob=keep_prob,
+      key=key,
+      score_decay=score_decay,
+      init_score=init_score,
+      momentum_decay=momentum_decay,
+      granularity=granularity,
+      stack_axes=stack_axes,
+      where=where,
+      labels=labels,
+      momentum_dtype=momentum_dtype,
+  )
+
+  def init_fn(params):
+    inner = base.init(params)
+    if momentum == "own":
+      own = lambda plan: True
+    else:
+      found = base_momentum(inner, params)
+      own = lambda plan: found[plan.index] is None
+    return MaskedUpdateState(inner, align.init(params, own))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    deltas, inner = base.update(updates, state.inner_state, params, **extra_args)
+    found = base_momentum(inner, updates) if momentum == "auto" else None
+    masked, mask_state = align.step(deltas, updates, found, state.mask_state)
+    return masked, MaskedUpdateState(inner, mask_state)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def skip_update(
+    base: optax.GradientTransformation,
+    *,
+    keep_prob: _schedules.ScalarOrSchedule | dict = 0.5,
+    key: _masks.KeyLike = 0,
+    rescale: bool = True,
+    granularity: _blocks.Granularity = "tensor",
+    stack_axes: int = 0,
+    where: _scoping.Where = None,
+    labels: _scoping.Labels = None,
+) -> optax.GradientTransformationExtraArgs:
+  r"""SkipUpdate: the base optimizer runs densely; each block's update is kept w.p. p.
+
+  Per block b::
+
+      Delta_t, base_state <- base.update(g_t, base_state)        (dense moments)
+      z_t ~ Bernoulli(p);   u_t = (z_t / p) Delta_t                (unbiased)
+
+  ``skip_update(base, keep_prob=1.0)`` is exactly ``base``. The same draws as
+  ``optax.chain(base, magma.bernoulli_mask(p, key=key))``.
+
+  Args:
+    base: the base optimizer, e.g. ``optax.rmsprop(1e-3)``.
+    keep_prob: probability p in (0, 1] (float, schedule or mapping label -> p).
+    key: PRNG key (int or ``jax.random.key``); keyword-only, default 0.
+    rescale: divide kept updates by p (unbiased, the paper's SkipUpdate).
+    granularity: block granularity.
+    stack_axes: number of leading axes that index stacked layers.
+    where: which leaves are masked; others take the plain base update.
+    labels: labels for per-label keep probabilities and statistics.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` with a :class:`MaskedUpdateState`.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import magma_optax as magma
+    >>> tx = magma.skip_update(optax.rmsprop(1e-3), keep_prob=0.5, key=0)
+    >>> params = {"w": jnp.ones((3, 4))}
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({"w": jnp.ones((3, 4))}, state, params)
+
+  References:
+    Joo et al., On Surprising Effectiveness of Masking Updates in Adaptive
+    Optimizers, arXiv 2602.15322 (2026), Sec. 3.
+  """
+  base = optax.with_extra_args_support(base)
+  mask = _masks.bernoulli_mask(
+      keep_prob,
+      key=key,
+      rescale=rescale,
+      granularity=granularity,
+      stack_axes=stack_axes,
+      where=where,
+      labels=labels,
+  )
+
+  def init_fn(params):
+    return MaskedUpdateState(base.init(params), mask.init(params))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    deltas, inner = base.update(updates, state.inner_state, params, **extra_args)
+    masked, mask_state = mask.update(deltas, state.mask_state, params)
+    return masked, MaskedUpdateState(inner, mask_state)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
