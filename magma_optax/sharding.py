@@ -1,0 +1,340 @@
+"""Sharding: optimizer states laid out like the parameters, and cosines across shards.
+
+JAX is the distributed engine. Every transform of this package runs under ``jax.jit``
+with parameters sharded on a ``jax.sharding.Mesh`` (``AxisType.Auto`` or
+``Explicit``) and gives the unsharded result: per-block sums become partial sums plus
+an all-reduce of block-sized values, and no parameter-sized array is gathered on one
+device. What users need from this module is the *layout of the state*:
+
+* :func:`state_shardings` -- the shardings of ``tx.init(params)``: a state leaf with a
+  parameter's shape (Adam's ``mu``/``nu``, the wrapper's own momentum, element-wise
+  masks) gets that parameter's sharding; a per-block array (scores and masks of row,
+  column, tile or per-layer blocks) gets the parameter's partition spec restricted to
+  the axes that index blocks (replicated when its shape does not say which axes those
+  are); scalars, PRNG keys and everything else are replicated.
+* :func:`init` -- ``tx.init`` under ``jax.jit`` with those ``out_shardings``. A plain
+  ``jax.jit(tx.init)`` does not know where zeros should live (``AxisType.Auto``
+  meshes put them on one device).
+* :func:`abstract_state` -- ``jax.ShapeDtypeStruct`` s with those shardings: the
+  target for restoring a checkpoint (orbax) directly into the sharded layout.
+
+Use the same shardings as ``in_shardings``/``out_shardings`` of the training step, so
+the state keeps one layout and the step compiles once::
+
+    state_sh = magma.sharding.state_shardings(tx, params)
+    step = jax.jit(train_step, out_shardings=(params_sh, state_sh))
+
+**Multi-host guarantee.** Every mask draw is a pure function of (key, step, leaf
+index, block index): ``bernoulli(fold_in(fold_in(key, step), leaf), p, block_shape)``
+with the key stored in the state, the state's step count and the leaf's position in
+the flattened parameter tree. It does not depend on the number of devices or hosts,
+the mesh, the parameters' shardings or the process, so every replica takes the same
+mask (``jax_threefry_partitionable``, JAX's default, lets each device generate only
+its own blocks). Keep the parameter tree's structure identical on every host.
+
+**shard_map.** Inside ``jax.shard_map`` a transform sees only the local shard: its
+cosines would be of local pieces and its per-block draws of the local shape, which is
+a different algorithm. Run the optimizer under ``jax.jit`` on sharded arrays instead
+(the recommended path); code written per shard that needs Magma's cosine uses
+:func:`block_cosine` with ``axis_name`` naming the mesh axes that split each block.
+
+This module is public as ``magma_optax.sharding`` (``import magma_optax as magma;
+magma.sharding.init(...)``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from magma_optax import _alignment, _blocks
+
+__all__ = ("abstract_state", "block_cosine", "init", "state_shardings")
+
+
+def _is_masked(x: Any) -> bool:
+  return isinstance(x, optax.MaskedNode)
+
+
+def _find_mesh(shardings: list[Any]) -> jax.sharding.Mesh | None:
+  for s in shardings:
+    if isinstance(s, NamedSharding):
+      return s.mesh
+  return None
+
+
+def _axis_size(mesh: jax.sharding.Mesh, entry: Any) -> int:
+  if entry is None:
+    return 1
+  names = entry if isinstance(entry, tuple) else (entry,)
+  return math.prod(mesh.shape[n] for n in names)
+
+
+def _block_spec(
+  leaf_shape: tuple[int, ...], param_shape: tuple[int, ...], spec: tuple[Any, ...]
+) -> tuple[Any, ...] | None:
+  """Partition spec of a per-block array of a parameter, or ``None`` if ambiguous.
+
+  Same rank as the parameter (tiles): axis i keeps the parameter's entry when it is
+  a whole or tiled copy of axis i. Lower rank: the named granularities and stack
+  depths whose block shape matches propose which parameter axes survive; they must
+  agree (``"row"`` and ``"column"`` of a square matrix do not).
+  """
+  ndim = len(param_shape)
+  if len(leaf_shape) == ndim:
+    if all(p % b == 0 for b, p in zip(leaf_shape, param_shape, strict=True)):
+      return spec
+    return None
+  candidates = set()
+  for stack_axes in range(ndim + 1):
+    for granularity in ("tensor", "row", "column"):
+      layout = _blocks.block_layout(param_shape, granularity, stack_axes)
+      if layout.block_shape == leaf_shape:
+        kept = [i for i in range(ndim) if i not in layout.reduce_axes]
+        candidates.add(tuple(spec[i] for i in kept))
+  return candidates.pop() if len(candidates) == 1 else None
+
+
+def _leaf_sharding(leaf: Any, param: Any, sharding: Any, replicated: Any) -> Any:
+  """The sharding of one state leaf that belongs to ``param``'s position."""
+  shape = tuple(leaf.shape)
+  param_shape = tuple(param.shape)
+  if shape == param_shape:
+    return sharding
+  if not shape or not isinstance(sharding, NamedSharding):
+    return replicated
+  spec = tuple(sharding.spec) + (None,) * (len(param_shape) - len(sharding.spec))
+  block_spec = _block_spec(shape, param_shape, spec)
+  if block_spec is None:
+    return replicated
+  # An axis split unevenly is legal but pads; keep only exact splits.
+  mesh = sharding.mesh
+  block_spec = tuple(
+    e if d % _axis_size(mesh, e) == 0 else None
+    for d, e in zip(shape, block_spec, strict=True)
+  )
+  return NamedSharding(
+    mesh, PartitionSpec(*block_spec), memory_kind=sharding.memory_kind
+  )
+
+
+def _param_shardings(params: Any) -> list[Any]:
+  out = []
+  for x in jax.tree.leaves(params):
+    sharding = getattr(x, "sharding", None)
+    if sharding is None:
+      raise ValueError(
+        "state_shardings needs parameters that carry a sharding (jax.Array, or"
+        f" jax.ShapeDtypeStruct with sharding=...); got a leaf {x!r}."
+      )
+    out.append(sharding)
+  return out
+
+
+def state_shardings(
+  tx: optax.GradientTransformation,
+  params: Any,
+  *,
+  mesh: jax.sharding.Mesh | None = None,
+) -> Any:
+  """Shardings for ``tx.init(params)`` that follow the parameters' shardings.
+
+  The state is computed abstractly (``jax.eval_shape``, nothing is allocated).
+  Every subtree of the state with the parameters' tree structure (``optax``'s
+  ``mu``/``nu``/``trace``, this package's ``scores``/``mask``/``momentum``; trees
+  with ``optax.MaskedNode`` in place of leaves included) is matched leaf by leaf to
+  the parameters:
+
+  * same shape as the parameter: the parameter's sharding;
+  * a per-block array: the parameter's ``PartitionSpec`` restricted to the axes that
+    index blocks (``"row"`` keeps all but the last axis, ``"column"`` and
+    ``"tensor"`` with ``stack_axes`` keep the stacked axes and the last / only the
+    stacked axes, tiles keep every axis whose block count divides evenly); when the
+    shape cannot tell (``"row"`` vs ``"column"`` of a square matrix) it is
+    replicated -- per-block arrays are small;
+  * anything else (step counts, PRNG keys, active fractions): replicated on the
+    mesh.
+
+  Any choice is correct (shardings never change values); these keep state memory
+  per device proportional to the parameters' and avoid resharding in the step.
+
+  Args:
+    tx: the optimizer, e.g. ``magma.magma(optax.adam(1e-3))``.
+    params: the parameters: ``jax.Array`` s or ``jax.ShapeDtypeStruct`` s, each with
+      a ``sharding`` (typically ``NamedSharding`` on one mesh).
+    mesh: the mesh for replicated leaves; default: the mesh of the first
+      ``NamedSharding`` among the parameters.
+
+  Returns:
+    A pytree of ``jax.sharding.Sharding`` with the structure of ``tx.init(params)``,
+    usable as ``out_shardings`` of ``jax.jit``.
+
+  Raises:
+    ValueError: if a parameter carries no sharding, or no mesh can be found and the
+      parameters are not all on one device.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import magma_optax as magma
+    >>> mesh = jax.make_mesh((1,), ("x",))
+    >>> sharding = jax.sharding.NamedSharding(mesh, jax.P("x"))
+    >>> params = {"w": jax.device_put(jnp.ones((4, 3)), sharding)}
+    >>> tx = magma.magma(optax.adam(1e-3))
+    >>> shardings = magma.sharding.state_shardings(tx, params)
+    >>> shardings.inner_state[0].mu["w"].spec == jax.P("x")
+    True
+  """
+  param_leaves, param_def = jax.tree.flatten(params)
+  shardings = _param_shardings(params)
+  mesh = mesh or _find_mesh(shardings)
+  if mesh is not None:
+    replicated = NamedSharding(mesh, PartitionSpec())
+  else:
+    devices = {d for s in shardings for d in s.device_set}
+    if len(devices) > 1:
+      raise ValueError(
+        "state_shardings found no NamedSharding among the parameters and they"
+        f" span {len(devices)} devices; pass mesh=."
+      )
+    device = devices.pop() if devices else jax.devices()[0]
+    replicated = jax.sharding.SingleDeviceSharding(device)
+
+  def is_param_tree(node):
+    try:
+      return jax.tree.structure(node, is_leaf=_is_masked) == param_def
+    except Exception:  # noqa: BLE001  a node that does not flatten is not a match
+      return False
+
+  def assign(node):
+    if not is_param_tree(node):
+      return replicated
+    leaves = jax.tree.leaves(node, is_leaf=_is_masked)
+    out = [
+      leaf if _is_masked(leaf) else _leaf_sharding(leaf, param, sharding, replicated)
+      for leaf, param, sharding in zip(leaves, param_leaves, shardings, strict=True)
+    ]
+    return jax.tree.unflatten(jax.tree.structure(node, is_leaf=_is_masked), out)
+
+  abstract = jax.eval_shape(tx.init, params)
+  return jax.tree.map(assign, abstract, is_leaf=is_param_tree)
+
+
+def init(
+  tx: optax.GradientTransformation,
+  params: Any,
+  *,
+  mesh: jax.sharding.Mesh | None = None,
+) -> Any:
+  """``tx.init(params)`` under ``jax.jit`` with :func:`state_shardings` as output.
+
+  Args:
+    tx: the optimizer.
+    params: sharded parameters (``jax.Array`` s).
+    mesh: see :func:`state_shardings`.
+
+  Returns:
+    The optimizer state, each leaf placed as :func:`state_shardings` says.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import magma_optax as magma
+    >>> mesh = jax.make_mesh((1,), ("x",))
+    >>> sharding = jax.sharding.NamedSharding(mesh, jax.P("x"))
+    >>> params = {"w": jax.device_put(jnp.ones((4, 3)), sharding)}
+    >>> state = magma.sharding.init(magma.magma(optax.adam(1e-3)), params)
+    >>> state.inner_state[0].mu["w"].sharding.spec == jax.P("x")
+    True
+  """
+  shardings = state_shardings(tx, params, mesh=mesh)
+  return jax.jit(tx.init, out_shardings=shardings)(params)
+
+
+def abstract_state(
+  tx: optax.GradientTransformation,
+  params: Any,
+  *,
+  mesh: jax.sharding.Mesh | None = None,
+) -> Any:
+  """``jax.ShapeDtypeStruct`` s of ``tx.init(params)`` carrying its shardings.
+
+  The restore target for a checkpoint, e.g. with orbax-checkpoint
+  ``ocp.StandardCheckpointer().restore(path, magma.sharding.abstract_state(tx,
+  params))``: every leaf (typed PRNG keys included) comes back with the right
+  dtype and sharding. ``params`` may itself be abstract.
+
+  Args:
+    tx: the optimizer.
+    params: parameters or ``jax.ShapeDtypeStruct`` s, each with a ``sharding``.
+    mesh: see :func:`state_shardings`.
+
+  Returns:
+    A pytree like ``tx.init(params)`` of ``jax.ShapeDtypeStruct`` with shardings.
+  """
+  shardings = state_shardings(tx, params, mesh=mesh)
+  abstract = jax.eval_shape(tx.init, params)
+  return jax.tree.map(
+    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+    abstract,
+    shardings,
+  )
+
+
+def block_cosine(
+  a: jax.Array,
+  b: jax.Array,
+  *,
+  granularity: _blocks.Granularity = "tensor",
+  stack_axes: int = 0,
+  axis_name: Any = None,
+) -> jax.Array:
+  r"""Per-block cosine of ``a`` and ``b``, summed across shards inside ``shard_map``.
+
+  For each block b: :math:`\cos_b = \langle a_b, b_b\rangle / (\|a_b\| \|b_b\|)`
+  in float32, 0 where either block is zero -- the cosine Magma scores. Inside
+  ``jax.shard_map`` the arrays are local shards: the partial sums
+  :math:`\langle a, b\rangle, \|a\|^2, \|b\|^2` of each block are combined with
+  ``jax.lax.psum`` over ``axis_name`` before the cosine is formed, so every shard
+  gets the global cosine of the blocks it holds.
+
+  ``axis_name`` must name exactly the mesh axes that split a block: for
+  ``"tensor"`` every axis that shards the array; for ``"row"`` the axes that shard
+  the last dimension; for ``"column"`` those that shard the other dimensions. An
+  axis that shards *between* blocks (rows sharded with ``"row"``) must not be named:
+  its shards hold different blocks.
+
+  Args:
+    a: array (or local shard).
+    b: array of the same shape.
+    granularity: block granularity (``"tensor"``, ``"row"``, ``"column"``,
+      ``"element"`` or a tile shape), applied to the local shape.
+    stack_axes: number of leading axes that index stacked layers.
+    axis_name: mesh axis name or tuple of names to sum over; ``None`` outside
+      ``shard_map``.
+
+  Returns:
+    f32 array of the (local) block shape, values in [-1, 1].
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import magma_optax as magma
+    >>> a = jnp.array([[1.0, 0.0], [1.0, 1.0]])
+    >>> cos = magma.sharding.block_cosine(a, jnp.ones((2, 2)), granularity="row")
+    >>> [round(float(c), 4) for c in cos]
+    [0.7071, 1.0]
+
+  References:
+    Joo et al., On Surprising Effectiveness of Masking Updates in Adaptive
+    Optimizers, arXiv 2602.15322 (2026), Algorithm 1.
+  """
+  granularity = _blocks.validate_granularity(granularity)
+  stack_axes = _blocks.validate_stack_axes(stack_axes)
+  if a.shape != b.shape:
+    raise ValueError(
+      f"block_cosine needs arrays of one shape; got {a.shape} and {b.shape}."
+    )
+  layout = _blocks.block_layout(a.shape, granularity, stack_axes)
+  return _alignment.block_cosine(layout, a, b, axis_name=axis_name)
