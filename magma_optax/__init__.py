@@ -4,6 +4,7 @@ SkipUpdate and Magma (Joo et al., On Surprising Effectiveness of Masking Updates
 Adaptive Optimizers, arXiv 2602.15322, 2026), block masks, and sparse training.
 """
 
+from magma_optax import sharding  # public submodule: magma_optax.sharding
 from magma_optax._alignment import AlignmentMaskState
 from magma_optax._alignment import alignment_mask
 from magma_optax._blocks import BlockLayout
@@ -32,6 +33,7 @@ __all__ = (
     "damping",
     "magma",
     "mask_stats",
+    "sharding",
     "skip_update",
     "transformer_labels",
 )

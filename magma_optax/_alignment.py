@@ -56,13 +56,20 @@ class AlignmentMaskState(NamedTuple):
 
 
 def block_cosine(
-    layout: _blocks.BlockLayout, a: jax.Array, b: jax.Array
+    layout: _blocks.BlockLayout, a: jax.Array, b: jax.Array, axis_name: Any = None
 ) -> jax.Array:
-  """Per-block cosine of ``a`` and ``b`` in f32; 0 where either block is zero."""
+  """Per-block cosine of ``a`` and ``b`` in f32; 0 where either block is zero.
+
+  ``axis_name`` (inside ``shard_map``): the mesh axes over which blocks are split;
+  the per-block partial sums are ``psum``-ed over them before the cosine is formed.
+  """
   a = a.astype(jnp.float32)
   b = b.astype(jnp.float32)
-  dot = layout.block_sum(a * b)
-  norm = jnp.sqrt(layout.block_sum(a * a)) * jnp.sqrt(layout.block_sum(b * b))
+  sums = (layout.block_sum(a * b), layout.block_sum(a * a), layout.block_sum(b * b))
+  if axis_name is not None:
+    sums = jax.lax.psum(sums, axis_name)
+  dot, aa, bb = sums
+  norm = jnp.sqrt(aa) * jnp.sqrt(bb)
   ok = norm > 0
   return jnp.clip(jnp.where(ok, dot / jnp.where(ok, norm, 1.0), 0.0), -1.0, 1.0)
 
