@@ -1,0 +1,305 @@
+"""A small LLaMA-style byte-level language model (Flax NNX) and a functional train step.
+
+The model used by the demo, the language-model benchmark and the notebooks: pre-norm
+decoder blocks with RMSNorm, rotary position embeddings (RoPE), causal multi-head
+attention and a SwiGLU MLP, as in LLaMA (Touvron et al., arXiv 2302.13971) and the
+Llama-2-style models of the Magma paper (arXiv 2602.15322), shrunk to run on a CPU.
+Vocabulary: 256 bytes, so no tokenizer is needed (see :mod:`magma_optax.corpus`).
+
+Parameter names follow the Hugging Face LLaMA layout, so that
+:func:`magma_optax.transformer_labels` and :func:`magma_optax.attention_mlp_weights`
+scope them as the paper does::
+
+    embed/embedding                        other   (no Magma)
+    layers/<i>/attn_norm/scale             other
+    layers/<i>/attn/{q,k,v,o}_proj/kernel  attention
+    layers/<i>/mlp_norm/scale              other
+    layers/<i>/mlp/{gate,up,down}_proj/kernel  mlp
+    final_norm/scale                       other
+    lm_head/kernel                         other   (absent when tied)
+
+Training is functional, so any optax transform plugs in: :func:`init_params` splits a
+fresh model into a static ``graphdef`` and a plain nested dict of arrays (the
+parameters optax sees), and :func:`make_train_step` returns a jitted
+``step(params, opt_state, batch) -> (params, opt_state, loss)``.
+
+Example:
+  >>> import optax, magma_optax as magma
+  >>> from magma_optax.flax import llama
+  >>> from magma_optax import corpus
+  >>> config = llama.LlamaConfig.tiny()
+  >>> graphdef, params = llama.init_params(config, seed=0)
+  >>> tx = magma.magma(optax.adam(3e-3), where=magma.attention_mlp_weights)
+  >>> opt_state = tx.init(params)
+  >>> step = llama.make_train_step(graphdef, tx)
+  >>> data = corpus.load(max_bytes=4096)
+  >>> batch = next(corpus.train_batches(data.train, batch_size=2, seq_len=32))
+  >>> params, opt_state, loss = step(params, opt_state, batch)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+Params = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  """Shape of a :class:`Llama` model.
+
+  Attributes:
+    vocab_size: vocabulary size (256 for bytes).
+    dim: model width.
+    n_layers: number of decoder blocks.
+    n_heads: attention heads; must divide ``dim`` into an even head size.
+    mlp_dim: hidden width of the SwiGLU MLP (LLaMA uses about 8/3 of ``dim``).
+    rope_theta: RoPE base frequency.
+    norm_eps: RMSNorm epsilon.
+    tie_embeddings: use the embedding matrix as the output head (no ``lm_head``).
+    init_std: standard deviation of the normal initialisation of every matrix; the
+      output projections (``o_proj``, ``down_proj``) are further divided by
+      sqrt(2 n_layers), as in GPT-2.
+  """
+
+  vocab_size: int = 256
+  dim: int = 128
+  n_layers: int = 4
+  n_heads: int = 4
+  mlp_dim: int = 352
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-5
+  tie_embeddings: bool = False
+  init_std: float = 0.02
+
+  def __post_init__(self):
+    for name in ("vocab_size", "dim", "n_layers", "n_heads", "mlp_dim"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int; got {value!r}.")
+    if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
+      raise ValueError(
+        f"n_heads must divide dim into an even head size; got dim={self.dim},"
+        f" n_heads={self.n_heads}."
+      )
+    if self.rope_theta <= 0 or self.norm_eps <= 0 or self.init_std <= 0:
+      raise ValueError("rope_theta, norm_eps and init_std must be > 0.")
+
+  @classmethod
+  def tiny(cls, **overrides: Any) -> LlamaConfig:
+    """~0.1M parameters: tests, notebooks in small mode, quick checks."""
+    return cls(**{"dim": 64, "n_layers": 2, "n_heads": 4, "mlp_dim": 176, **overrides})
+
+  @classmethod
+  def small(cls, **overrides: Any) -> LlamaConfig:
+    """~0.8M parameters: the demo and the CPU benchmark."""
+    return cls(**{"dim": 128, "n_layers": 4, "n_heads": 4, "mlp_dim": 352, **overrides})
+
+  @classmethod
+  def medium(cls, **overrides: Any) -> LlamaConfig:
+    """~11M parameters: accelerator runs."""
+    return cls(
+      **{"dim": 384, "n_layers": 6, "n_heads": 6, "mlp_dim": 1024, **overrides}
+    )
+
+  @classmethod
+  def preset(cls, name: str, **overrides: Any) -> LlamaConfig:
+    """The preset ``name`` (``"tiny"``, ``"small"`` or ``"medium"``)."""
+    if name not in PRESETS:
+      raise ValueError(f"preset must be one of {PRESETS}; got {name!r}.")
+    return getattr(cls, name)(**overrides)
+
+
+PRESETS = ("tiny", "small", "medium")
+
+
+def rope(x: jax.Array, theta: float) -> jax.Array:
+  """Rotary position embedding of ``x[batch, seq, heads, head_dim]`` (rotate-half).
+
+  Pairs feature i with i + head_dim/2 and rotates each pair at position t by the
+  angle t * theta^(-2i/head_dim) (Su et al., arXiv 2104.09864).
+  """
+  seq, half = x.shape[1], x.shape[-1] // 2
+  freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * freqs[None, :]
+  cos = jnp.cos(angles)[None, :, None, :]
+  sin = jnp.sin(angles)[None, :, None, :]
+  x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+  return out.astype(x.dtype)
+
+
+def _linear(d_in: int, d_out: int, std: float, rngs: nnx.Rngs) -> nnx.Linear:
+  init = nnx.initializers.normal(std)
+  return nnx.Linear(d_in, d_out, use_bias=False, kernel_init=init, rngs=rngs)
+
+
+class Attention(nnx.Module):
+  """Causal multi-head self-attention with RoPE on queries and keys."""
+
+  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+    dim, std = config.dim, config.init_std
+    out_std = std / math.sqrt(2 * config.n_layers)
+    self.n_heads = config.n_heads
+    self.rope_theta = config.rope_theta
+    self.q_proj = _linear(dim, dim, std, rngs)
+    self.k_proj = _linear(dim, dim, std, rngs)
+    self.v_proj = _linear(dim, dim, std, rngs)
+    self.o_proj = _linear(dim, dim, out_std, rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    b, t, d = x.shape
+    heads = lambda y: y.reshape(b, t, self.n_heads, d // self.n_heads)
+    q = rope(heads(self.q_proj(x)), self.rope_theta)
+    k = rope(heads(self.k_proj(x)), self.rope_theta)
+    v = heads(self.v_proj(x))
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    return self.o_proj(out.reshape(b, t, d))
+
+
+class MLP(nnx.Module):
+  """SwiGLU feed-forward: down(silu(gate(x)) * up(x)) (Shazeer, arXiv 2002.05202)."""
+
+  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+    dim, hidden, std = config.dim, config.mlp_dim, config.init_std
+    self.gate_proj = _linear(dim, hidden, std, rngs)
+    self.up_proj = _linear(dim, hidden, std, rngs)
+    self.down_proj = _linear(hidden, dim, std / math.sqrt(2 * config.n_layers), rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return self.down_proj(nnx.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nnx.Module):
+  """Pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x))."""
+
+  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+    self.attn_norm = nnx.RMSNorm(config.dim, epsilon=config.norm_eps, rngs=rngs)
+    self.attn = Attention(config, rngs=rngs)
+    self.mlp_norm = nnx.RMSNorm(config.dim, epsilon=config.norm_eps, rngs=rngs)
+    self.mlp = MLP(config, rngs=rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x = x + self.attn(self.attn_norm(x))
+    return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nnx.Module):
+  """LLaMA-style decoder-only language model: tokens ``int[batch, seq]`` -> logits.
+
+  Args:
+    config: the model's shape.
+    rngs: NNX random streams for initialisation.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from magma_optax.flax import llama
+    >>> model = llama.Llama(llama.LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+    >>> model(jnp.zeros((2, 16), jnp.int32)).shape
+    (2, 16, 256)
+  """
+
+  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    self.embed = nnx.Embed(
+      config.vocab_size,
+      config.dim,
+      embedding_init=nnx.initializers.normal(config.init_std),
+      rngs=rngs,
+    )
+    self.layers = nnx.List([Block(config, rngs=rngs) for _ in range(config.n_layers)])
+    self.final_norm = nnx.RMSNorm(config.dim, epsilon=config.norm_eps, rngs=rngs)
+    if not config.tie_embeddings:
+      self.lm_head = _linear(config.dim, config.vocab_size, config.init_std, rngs)
+
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    x = self.embed(tokens)
+    for layer in self.layers:
+      x = layer(x)
+    x = self.final_norm(x)
+    if self.config.tie_embeddings:
+      return self.embed.attend(x)
+    return self.lm_head(x)
+
+
+def init_params(config: LlamaConfig, seed: int = 0) -> tuple[nnx.GraphDef, Params]:
+  """A fresh model as a static graph definition and a nested dict of parameters.
+
+  Args:
+    config: the model's shape.
+    seed: initialisation seed.
+
+  Returns:
+    ``(graphdef, params)``: ``params`` is a plain nested dict of arrays (layer
+    indices are int keys) for optax; ``apply(graphdef, params, tokens)`` runs it.
+  """
+  graphdef, state = nnx.split(Llama(config, rngs=nnx.Rngs(seed)))
+  return graphdef, state.to_pure_dict()
+
+
+def count_params(params: Params) -> int:
+  """Number of scalars in ``params``."""
+  return sum(x.size for x in jax.tree.leaves(params))
+
+
+def apply(graphdef: nnx.GraphDef, params: Params, tokens: jax.Array) -> jax.Array:
+  """Logits ``f32[batch, seq, vocab]`` of ``tokens`` under ``params``."""
+  return nnx.merge(graphdef, params)(tokens)
+
+
+def loss_fn(graphdef: nnx.GraphDef, params: Params, batch: jax.Array) -> jax.Array:
+  """Mean next-byte cross-entropy (nats) of ``batch: int[batch, seq + 1]``."""
+  logits = apply(graphdef, params, batch[:, :-1])
+  losses = optax.softmax_cross_entropy_with_integer_labels(
+    logits.astype(jnp.float32), batch[:, 1:]
+  )
+  return losses.mean()
+
+
+def make_train_step(
+  graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *, donate: bool = True
+) -> Callable[[Params, Any, jax.Array], tuple[Params, Any, jax.Array]]:
+  """A jitted training step for any optax transform.
+
+  Args:
+    graphdef: from :func:`init_params`.
+    tx: the optimizer; it receives ``params`` as its third argument (AdamW's weight
+      decay, sparse-training wrappers).
+    donate: donate ``params`` and ``opt_state`` buffers to the step (saves memory;
+      do not reuse the inputs after the call).
+
+  Returns:
+    ``step(params, opt_state, batch) -> (params, opt_state, loss)`` with ``loss``
+    the batch's mean cross-entropy before the update.
+  """
+
+  def step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(lambda p: loss_fn(graphdef, p, batch))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  return jax.jit(step, donate_argnums=(0, 1) if donate else ())
+
+
+def make_eval_fn(
+  graphdef: nnx.GraphDef,
+) -> Callable[[Params, jax.Array], jax.Array]:
+  """A jitted ``evaluate(params, batches) -> mean loss`` over ``int[n, batch, seq+1]``.
+
+  Use with :func:`magma_optax.corpus.validation_batches`; perplexity is
+  ``exp(loss)``.
+  """
+
+  def evaluate(params, batches):
+    return jax.lax.map(lambda b: loss_fn(graphdef, params, b), batches).mean()
+
+  return jax.jit(evaluate)
