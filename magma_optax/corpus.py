@@ -184,12 +184,16 @@ def train_batches(
   Returns:
     An iterator of numpy batches.
   """
-  _check_window(data, batch_size, seq_len)
+  _check_window(data, batch_size, seq_len)  # here, not at the first next()
   rng = np.random.default_rng(seed)
   offsets = np.arange(seq_len + 1)
-  while True:
-    starts = rng.integers(0, len(data) - seq_len, size=batch_size)
-    yield data[starts[:, None] + offsets].astype(np.int32)
+
+  def windows():
+    while True:
+      starts = rng.integers(0, len(data) - seq_len, size=batch_size)
+      yield data[starts[:, None] + offsets].astype(np.int32)
+
+  return windows()
 
 
 def validation_batches(
