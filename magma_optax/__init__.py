@@ -10,10 +10,20 @@ from magma_optax._alignment import alignment_mask
 from magma_optax._blocks import BlockLayout
 from magma_optax._blocks import block_layout
 from magma_optax._damping import damping
+from magma_optax._masked_decay import MaskedWeightDecayState
+from magma_optax._masked_decay import masked_weight_decay
 from magma_optax._masks import BernoulliMaskState
 from magma_optax._masks import bernoulli_mask
+from magma_optax._periodic import PeriodicMaskState
+from magma_optax._periodic import linear_sparsity_schedule
+from magma_optax._periodic import periodic_mask
+from magma_optax._periodic import polynomial_sparsity_schedule
 from magma_optax._scoping import attention_mlp_weights
 from magma_optax._scoping import transformer_labels
+from magma_optax._sparse_state import SparseState
+from magma_optax._sparse_state import host_offload_available
+from magma_optax._sparse_state import offload_sparse_state
+from magma_optax._sparse_state import sparse_state
 from magma_optax._stats import mask_stats
 from magma_optax._wrappers import MaskedUpdateState
 from magma_optax._wrappers import magma
@@ -26,14 +36,24 @@ __all__ = (
     "BernoulliMaskState",
     "BlockLayout",
     "MaskedUpdateState",
+    "MaskedWeightDecayState",
+    "PeriodicMaskState",
+    "SparseState",
     "alignment_mask",
     "attention_mlp_weights",
     "bernoulli_mask",
     "block_layout",
     "damping",
+    "host_offload_available",
+    "linear_sparsity_schedule",
     "magma",
     "mask_stats",
+    "masked_weight_decay",
+    "offload_sparse_state",
+    "periodic_mask",
+    "polynomial_sparsity_schedule",
     "sharding",
     "skip_update",
+    "sparse_state",
     "transformer_labels",
 )

@@ -1,0 +1,522 @@
+"""Periodic parameter masks (CAST-style pruning), kept pure: no post-step hook.
+
+A *parameter mask* says which weights exist; an update mask (``bernoulli_mask``,
+``alignment_mask``) says which updates land this step. :func:`periodic_mask` wraps an
+inner optimizer and, every ``every`` steps between ``start`` and ``end``, recomputes a
+boolean mask per parameter leaf from importance scores:
+
+* ``"magnitude_grad"`` (default): ``|W| * |g|``, the saliency the seed names;
+* ``"magnitude"``: ``|W|`` (gradual magnitude pruning);
+* a callable ``(param, grad) -> scores`` of the leaf's shape (e.g. ``|g|`` for
+  gradient-based regrowth).
+
+Thresholding is exact top-k, never a quantile estimate: at target sparsity ``s`` a leaf
+of ``n`` entries keeps ``n - round(s * n)`` of them (``ranking="global"``: the same
+count over all scoped entries together). Ties are broken deterministically: higher
+score first, then entries that are active in the current mask (no churn among equals),
+then the lower flat index. NaN scores rank last. With ``structure=(n, m)`` every group
+of ``m`` consecutive entries along ``axis`` keeps exactly ``n`` (N:M semi-structured
+sparsity, e.g. 2:4), with the same tie-breaking inside a group.
+
+Purity: the wrapper emits ``u = where(mask, u_inner, -p)`` so that
+``optax.apply_updates(p, u) == mask * (p + u_inner)`` *exactly* (``p + (-p)`` is an
+exact zero in floating point). Pruned weights are zero after every step without a
+post-step hook, unlike jaxpruner. The refresh is a traced ``lax.cond`` on the count:
+one compiled step serves refresh and ordinary steps, and ordinary steps only pay for a
+predicate and a ``where``.
+
+Regrowth: entries active in the new mask but not in the old one get their inner
+moments reset to zero. Moments are found by name (``mu``, ``nu``, ``trace`` by default)
+with ``optax.tree_utils.tree_get_all_with_path`` and accepted when their tree has the
+parameters' structure and the leaf the parameter's shape; compact storage from
+:func:`magma_optax.sparse_state` resets itself.
+
+The new mask is handed to the inner transform as the extra argument ``param_mask=``
+(a pytree like the params: bool arrays, ``optax.MaskedNode`` for unscoped leaves), so
+:func:`magma_optax.sparse_state` and :func:`magma_optax.masked_weight_decay` inside it
+see it, and it is stored in :class:`PeriodicMaskState` for the model's forward pass
+(straight-through: the model computes with ``W * mask``; read it with
+``optax.tree_utils.tree_get(opt_state, "PeriodicMaskState").mask``).
+
+Decisions: the mask starts all-active, and nothing is pruned before the first refresh
+at ``count == start``; the refresh uses the params and the incoming updates (the
+gradients when the wrapper is outermost) of that step; the inner optimizer sees the
+incoming updates unmasked (a model that multiplies by the mask already gives zero
+gradients for pruned weights).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from magma_optax import _schedules
+from magma_optax import _scoping
+
+Importance = str | Callable[[jax.Array, jax.Array], jax.Array]
+
+IMPORTANCES = ("magnitude_grad", "magnitude")
+RANKINGS = ("per_leaf", "global")
+RAMPS = ("constant", "linear", "cubic")
+DEFAULT_MOMENT_NAMES = ("mu", "nu", "trace")
+
+
+def _is_masked(x: Any) -> bool:
+  return isinstance(x, optax.MaskedNode)
+
+
+def _check_sparsity_value(name: str, value: Any) -> Any:
+  return _schedules.check_range(name, value, 0.0, 1.0, low_open=False, high_open=True)
+
+
+def polynomial_sparsity_schedule(
+  final_sparsity: float,
+  *,
+  begin_step: int,
+  end_step: int,
+  initial_sparsity: float = 0.0,
+  power: float = 3.0,
+) -> optax.Schedule:
+  r"""Gradual-magnitude-pruning ramp of the target sparsity (cubic by default).
+
+  .. math::
+
+     s_t = s_f + (s_i - s_f)\left(1 - \frac{\min(\max(t - t_0, 0), T)}{T}\right)^{p},
+     \qquad T = t_1 - t_0
+
+  so ``s_t = s_i`` before ``begin_step`` (t_0), ``s_f`` from ``end_step`` (t_1) on, and
+  the sparsity grows fast early and slowly near the end (p = 3 is Zhu & Gupta's
+  choice; p = 1 is a linear ramp, see :func:`linear_sparsity_schedule`).
+
+  Args:
+    final_sparsity: s_f in [0, 1).
+    begin_step: t_0 >= 0, the step at which the ramp starts.
+    end_step: t_1 > t_0, the step at which ``final_sparsity`` is reached.
+    initial_sparsity: s_i in [0, 1) (default 0).
+    power: p > 0 (default 3).
+
+  Returns:
+    An ``optax.Schedule`` ``count -> f32 sparsity``.
+
+  Example:
+    >>> import magma_optax as magma
+    >>> sched = magma.polynomial_sparsity_schedule(0.8, begin_step=0, end_step=100)
+    >>> round(float(sched(100)), 6), round(float(sched(0)), 6)
+    (0.8, 0.0)
+
+  References:
+    Zhu & Gupta, To prune, or not to prune, arXiv 1710.01878 (2017), Eq. 1.
+  """
+  _check_sparsity_value("final_sparsity", final_sparsity)
+  _check_sparsity_value("initial_sparsity", initial_sparsity)
+  _schedules.check_positive("power", power)
+  if not isinstance(begin_step, int) or begin_step < 0:
+    raise ValueError(f"begin_step must be an int >= 0; got {begin_step!r}.")
+  if not isinstance(end_step, int) or end_step <= begin_step:
+    raise ValueError(
+      f"end_step must be an int > begin_step={begin_step}; got {end_step!r}."
+    )
+  span = end_step - begin_step
+
+  def schedule(count):
+    t = jnp.clip(jnp.asarray(count, jnp.float32) - begin_step, 0.0, span) / span
+    s = final_sparsity + (initial_sparsity - final_sparsity) * (1.0 - t) ** power
+    return jnp.asarray(s, jnp.float32)
+
+  return schedule
+
+
+def linear_sparsity_schedule(
+  final_sparsity: float,
+  *,
+  begin_step: int,
+  end_step: int,
+  initial_sparsity: float = 0.0,
+) -> optax.Schedule:
+  """Linear ramp of the target sparsity (the seed's ``dynamic_sparsity``).
+
+  :func:`polynomial_sparsity_schedule` with ``power=1``.
+
+  Example:
+    >>> import magma_optax as magma
+    >>> sched = magma.linear_sparsity_schedule(0.5, begin_step=0, end_step=10)
+    >>> round(float(sched(5)), 6)
+    0.25
+  """
+  return polynomial_sparsity_schedule(
+    final_sparsity,
+    begin_step=begin_step,
+    end_step=end_step,
+    initial_sparsity=initial_sparsity,
+    power=1.0,
+  )
+
+
+class PeriodicMaskState(NamedTuple):
+  """State of :func:`periodic_mask`.
+
+  Attributes:
+    count: int32 scalar, number of updates so far.
+    mask: pytree like the params; per scoped leaf a bool array of the leaf's shape
+      (True = the weight exists), ``optax.MaskedNode`` where unscoped. The mask the
+      last update used; the model's forward pass multiplies by it.
+    target_sparsity: f32 scalar, the target sparsity at the last refresh.
+    sparsity: f32 scalar, fraction of scoped entries pruned by ``mask``.
+    num_regrown: int32 scalar, entries that became active at the last refresh.
+    inner_state: the inner optimizer's state.
+  """
+
+  count: jax.Array
+  mask: Any
+  target_sparsity: jax.Array
+  sparsity: jax.Array
+  num_regrown: jax.Array
+  inner_state: Any
+
+
+def _rank(score: jax.Array, active: jax.Array) -> jax.Array:
+  """Rank (0 = best) of each entry of flat ``score``; ties: active first, low index."""
+  n = score.shape[0]
+  index = jnp.arange(n, dtype=jnp.int32)
+  # lexsort: the last key is the primary one.
+  order = jnp.lexsort((index, jnp.logical_not(active), -score))
+  return jnp.zeros(n, jnp.int32).at[order].set(index)
+
+
+def _num_keep(sparsity: jax.Array, n: int) -> jax.Array:
+  pruned = jnp.round(sparsity.astype(jnp.float32) * n).astype(jnp.int32)
+  return jnp.int32(n) - jnp.clip(pruned, 0, n)
+
+
+def _n_m_mask(
+  score: jax.Array, active: jax.Array, n: int, m: int, axis: int
+) -> jax.Array:
+  """Keeps the ``n`` best of every ``m`` consecutive entries along ``axis``."""
+  s = jnp.moveaxis(score, axis, -1)
+  a = jnp.moveaxis(active, axis, -1)
+  moved_shape = s.shape
+  s = s.reshape(*moved_shape[:-1], moved_shape[-1] // m, m)
+  a = a.reshape(s.shape)
+  si, sj = s[..., :, None], s[..., None, :]
+  ai, aj = a[..., :, None], a[..., None, :]
+  j_lt_i = jnp.arange(m)[None, :] < jnp.arange(m)[:, None]
+  beats = (sj > si) | ((sj == si) & (aj & ~ai)) | ((sj == si) & (aj == ai) & j_lt_i)
+  keep = jnp.sum(beats, axis=-1) < n
+  return jnp.moveaxis(keep.reshape(moved_shape), -1, axis)
+
+
+def _scores(importance: Importance, param: jax.Array, grad: jax.Array) -> jax.Array:
+  p = param.astype(jnp.float32)
+  g = grad.astype(jnp.float32)
+  if importance == "magnitude_grad":
+    s = jnp.abs(p) * jnp.abs(g)
+  elif importance == "magnitude":
+    s = jnp.abs(p)
+  else:
+    s = jnp.asarray(importance(param, grad), jnp.float32)
+    if s.shape != param.shape:
+      raise ValueError(
+        f"importance callable returned shape {s.shape} for a parameter of shape"
+        f" {param.shape}; it must return one score per entry."
+      )
+  return jnp.where(jnp.isnan(s), -jnp.inf, s)
+
+
+def reset_moments(
+  inner_state: Any, reset: list[Any], treedef: Any, names: tuple[str, ...]
+) -> Any:
+  """Zeroes the entries ``reset[i]`` (bool, leaf-shaped, or None) of named moments.
+
+  Fields called one of ``names`` are found with ``optax.tree_utils``; a field is
+  changed only where its tree has ``treedef`` (``MaskedNode`` allowed) and a leaf
+  has the shape of ``reset[i]``.
+  """
+  for name in names:
+    for path, value in optax.tree_utils.tree_get_all_with_path(inner_state, name):
+      leaves, value_def = jax.tree.flatten(value, is_leaf=_is_masked)
+      if value_def != treedef:
+        continue
+      new_leaves = []
+      for m, r in zip(leaves, reset, strict=True):
+        if r is None or not hasattr(m, "shape") or m.shape != r.shape:
+          new_leaves.append(m)
+        else:
+          new_leaves.append(jnp.where(r, jnp.zeros([], m.dtype), m))
+      inner_state = optax.tree_utils.tree_set(
+        inner_state,
+        lambda p, v, target=path: p == target,
+        **{name: value_def.unflatten(new_leaves)},
+      )
+  return inner_state
+
+
+def periodic_mask(
+  inner: optax.GradientTransformation,
+  *,
+  sparsity: _schedules.ScalarOrSchedule | None = None,
+  every: int,
+  importance: Importance = "magnitude_grad",
+  structure: tuple[int, int] | None = None,
+  schedule: str | None = None,
+  start: int = 0,
+  end: int | None = None,
+  where: _scoping.Where = None,
+  ranking: str = "per_leaf",
+  axis: int = -1,
+  moment_names: tuple[str, ...] = DEFAULT_MOMENT_NAMES,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Prunes parameters to a target sparsity with a mask recomputed every few steps.
+
+  At steps ``t = start, start + every, ...`` (up to ``end``, inclusive)::
+
+      S     = importance(W_t, g_t)                 (default |W| * |g|, per entry)
+      M_t   = top-k(S) per leaf                    (k = n - round(s_t n); or N:M)
+      reset inner moments where M_t & ~M_{t-1}     (regrown weights start fresh)
+
+  and at every step, with ``M`` the current mask::
+
+      u_inner, inner_state = inner.update(g, inner_state, W, param_mask=M)
+      u = where(M, u_inner, -W)        so that   W + u == M * (W + u)   exactly.
+
+  Args:
+    inner: the optimizer to wrap, e.g. ``optax.adam(1e-3)`` or
+      ``magma.sparse_state(optax.adam(1e-3), mode="compact", density=0.2)``. It
+      receives ``param_mask=`` as an extra argument.
+    sparsity: target fraction of pruned entries in [0, 1): a float, or an
+      ``optax.Schedule`` of the step count (see :func:`polynomial_sparsity_schedule`
+      and :func:`linear_sparsity_schedule`). With ``structure=(n, m)`` leave it
+      ``None`` (it is ``1 - n / m``).
+    every: refresh period T >= 1 in steps.
+    importance: ``"magnitude_grad"`` (|W| |g|), ``"magnitude"`` (|W|) or a callable
+      ``(param, grad) -> scores`` of the parameter's shape (higher = keep).
+    structure: ``(n, m)`` with 1 <= n <= m for N:M sparsity along ``axis``;
+      ``None`` for unstructured top-k.
+    schedule: ``None``/``"constant"`` (the target is ``sparsity`` from ``start``),
+      ``"linear"`` or ``"cubic"``: ramp from 0 at ``start`` to ``sparsity`` at
+      ``end`` (needs a float ``sparsity`` and ``end``).
+    start: first refresh step (>= 0); the mask is all-active before it.
+    end: last step at which the mask may change (inclusive), or ``None``.
+    where: which leaves are pruned (``None``: all floating leaves; a callable
+      ``(path, leaf) -> bool`` such as :func:`attention_mlp_weights`; or a pytree of
+      bools). Other leaves are never masked.
+    ranking: ``"per_leaf"`` (every leaf reaches the target) or ``"global"`` (one
+      top-k over all scoped entries; leaves end up with different sparsities).
+    axis: the axis along which N:M groups are formed (default: the last).
+    moment_names: names of the inner state's per-entry moments to reset on regrowth.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` with a :class:`PeriodicMaskState`;
+    ``params`` must be passed to ``update``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import magma_optax as magma
+    >>> tx = magma.periodic_mask(optax.adam(1e-2), sparsity=0.5, every=10)
+    >>> params = {"w": jnp.arange(1.0, 9.0).reshape(2, 4)}
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({"w": jnp.ones((2, 4))}, state, params)
+    >>> params = optax.apply_updates(params, updates)
+    >>> int((params["w"] == 0).sum())
+    4
+
+  References:
+    Zhu & Gupta, To prune, or not to prune, arXiv 1710.01878 (2017);
+    Lee et al., jaxpruner, arXiv 2304.14082 (2023);
+    Mishra et al., Accelerating Sparse Deep Neural Networks (2:4), arXiv 2104.08378.
+  """
+  if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+    raise ValueError(f"every must be an int >= 1; got {every!r}.")
+  if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+    raise ValueError(f"start must be an int >= 0; got {start!r}.")
+  if end is not None and (
+    isinstance(end, bool) or not isinstance(end, int) or end < start
+  ):
+    raise ValueError(f"end must be None or an int >= start={start}; got {end!r}.")
+  if not (callable(importance) or importance in IMPORTANCES):
+    raise ValueError(
+      f"importance must be one of {IMPORTANCES} or a callable (param, grad) ->"
+      f" scores; got {importance!r}."
+    )
+  if ranking not in RANKINGS:
+    raise ValueError(f"ranking must be one of {RANKINGS}; got {ranking!r}.")
+  if schedule is None:
+    schedule = "constant"
+  if schedule not in RAMPS:
+    raise ValueError(
+      f"schedule must be None or one of {RAMPS}; got {schedule!r} (pass a custom"
+      " ramp as sparsity=<optax.Schedule>)."
+    )
+  if not isinstance(axis, int):
+    raise ValueError(f"axis must be an int; got {axis!r}.")
+  if structure is not None:
+    ok = (
+      isinstance(structure, tuple | list)
+      and len(structure) == 2
+      and all(isinstance(v, int) and not isinstance(v, bool) for v in structure)
+    )
+    if not ok or not 1 <= structure[0] <= structure[1]:
+      raise ValueError(
+        f"structure must be None or (n, m) ints with 1 <= n <= m (N:M keeps n of"
+        f" every m); got {structure!r}."
+      )
+    structure = tuple(structure)
+    if sparsity is not None and not _schedules.is_schedule(sparsity):
+      implied = 1.0 - structure[0] / structure[1]
+      if abs(float(sparsity) - implied) > 1e-6:
+        raise ValueError(
+          f"sparsity={sparsity} contradicts structure={structure} (which implies"
+          f" sparsity {implied}); leave sparsity=None with structure."
+        )
+    elif sparsity is not None or schedule != "constant":
+      raise ValueError(
+        "structure=(n, m) fixes the sparsity at 1 - n/m; it takes no sparsity schedule."
+      )
+    sparsity = 1.0 - structure[0] / structure[1]
+  if sparsity is None:
+    raise ValueError("sparsity is required (a float in [0, 1) or a schedule).")
+  sparsity = _check_sparsity_value("sparsity", sparsity)
+  if schedule != "constant":
+    if end is None or end <= start or _schedules.is_schedule(sparsity):
+      raise ValueError(
+        f"schedule={schedule!r} ramps from 0 at start to a float sparsity at end;"
+        f" it needs a float sparsity and end > start (got sparsity={sparsity!r},"
+        f" start={start}, end={end})."
+      )
+    sparsity = polynomial_sparsity_schedule(
+      float(sparsity),
+      begin_step=start,
+      end_step=end,
+      power=1.0 if schedule == "linear" else 3.0,
+    )
+  inner = optax.with_extra_args_support(inner)
+
+  def plan(tree):
+    plans, treedef = _scoping.plan_leaves(
+      tree,
+      where=where,
+      labels=lambda path, leaf: "",
+      keep_prob=1.0,
+      granularity="tensor",
+      stack_axes=0,
+    )
+    return plans, treedef
+
+  def check_structure(plans, leaves):
+    if structure is None:
+      return
+    m = structure[1]
+    for p, x in zip(plans, leaves, strict=True):
+      if p.layout is None:
+        continue
+      shape = jnp.shape(x)
+      if not shape or not -len(shape) <= axis < len(shape) or shape[axis] % m:
+        raise ValueError(
+          f"structure={structure} needs axis {axis} of every pruned leaf to be a"
+          f" multiple of {m}; leaf {p.index} has shape {shape}. Scope it out with"
+          " `where` or choose another axis."
+        )
+
+  def init_fn(params):
+    plans, treedef = plan(params)
+    leaves = treedef.flatten_up_to(params)
+    check_structure(plans, leaves)
+    masks = [
+      optax.MaskedNode() if p.layout is None else jnp.ones(jnp.shape(x), jnp.bool_)
+      for p, x in zip(plans, leaves, strict=True)
+    ]
+    return PeriodicMaskState(
+      count=jnp.zeros([], jnp.int32),
+      mask=treedef.unflatten(masks),
+      target_sparsity=jnp.zeros([], jnp.float32),
+      sparsity=jnp.zeros([], jnp.float32),
+      num_regrown=jnp.zeros([], jnp.int32),
+      inner_state=inner.init(params),
+    )
+
+  def new_masks(plans, params, grads, old, target):
+    idx = [i for i, p in enumerate(plans) if p.layout is not None]
+    scores = {i: _scores(importance, params[i], grads[i]) for i in idx}
+    out = list(old)
+    if structure is not None:
+      for i in idx:
+        out[i] = _n_m_mask(scores[i], old[i], *structure, axis)
+    elif ranking == "per_leaf":
+      for i in idx:
+        n = scores[i].size
+        rank = _rank(scores[i].reshape(-1), old[i].reshape(-1))
+        out[i] = (rank < _num_keep(target, n)).reshape(scores[i].shape)
+    elif idx:
+      flat_s = jnp.concatenate([scores[i].reshape(-1) for i in idx])
+      flat_a = jnp.concatenate([old[i].reshape(-1) for i in idx])
+      keep = _rank(flat_s, flat_a) < _num_keep(target, flat_s.size)
+      offset = 0
+      for i in idx:
+        n = scores[i].size
+        out[i] = keep[offset : offset + n].reshape(scores[i].shape)
+        offset += n
+    return out
+
+  def update_fn(updates, state, params=None, **extra_args):
+    if params is None:
+      raise ValueError(
+        "periodic_mask needs the parameters: call update(updates, state, params)."
+      )
+    plans, treedef = plan(updates)
+    plans = _scoping.match_state(plans, state.mask)
+    grads = treedef.flatten_up_to(updates)
+    param_leaves = treedef.flatten_up_to(params)
+    old = jax.tree.leaves(state.mask, is_leaf=_is_masked)
+    count = state.count
+    is_refresh = (count >= start) & ((count - start) % every == 0)
+    if end is not None:
+      is_refresh = is_refresh & (count <= end)
+    target = _schedules.evaluate(sparsity, count)
+
+    def refresh(inner_state):
+      masks = new_masks(plans, param_leaves, grads, old, target)
+      regrown = [
+        None if p.layout is None else masks[i] & ~old[i] for i, p in enumerate(plans)
+      ]
+      num = sum(
+        (jnp.sum(r, dtype=jnp.int32) for r in regrown if r is not None),
+        jnp.zeros([], jnp.int32),
+      )
+      inner_state = reset_moments(inner_state, regrown, treedef, moment_names)
+      return masks, inner_state, target, num
+
+    def keep(inner_state):
+      return old, inner_state, state.target_sparsity, jnp.zeros([], jnp.int32)
+
+    masks, inner_state, target_now, num_regrown = jax.lax.cond(
+      is_refresh, refresh, keep, state.inner_state
+    )
+    mask_tree = treedef.unflatten(masks)
+    inner_updates, inner_state = inner.update(
+      updates, inner_state, params, param_mask=mask_tree, **extra_args
+    )
+    out, kept, total = [], jnp.zeros([], jnp.float32), 0
+    for p, u, w, m in zip(
+      plans, treedef.flatten_up_to(inner_updates), param_leaves, masks, strict=True
+    ):
+      if p.layout is None:
+        out.append(u)
+        continue
+      out.append(jnp.where(m, u, -jnp.asarray(w).astype(u.dtype)))
+      kept = kept + jnp.sum(m, dtype=jnp.float32)
+      total += m.size
+    new_state = PeriodicMaskState(
+      count=optax.safe_increment(count),
+      mask=mask_tree,
+      target_sparsity=jnp.asarray(target_now, jnp.float32),
+      sparsity=1.0 - kept / max(total, 1),
+      num_regrown=num_regrown,
+      inner_state=inner_state,
+    )
+    return treedef.unflatten(out), new_state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

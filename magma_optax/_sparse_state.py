@@ -1,0 +1,525 @@
+"""Sparse optimizer state: the base optimizer's state kept only where weights exist.
+
+:func:`sparse_state` wraps a base optimizer and reads the parameter mask from the extra
+argument ``param_mask=`` (what :func:`magma_optax.periodic_mask` passes to its inner
+transform). Per scoped leaf, one of two storages is used:
+
+* **skip** (dense storage, "masked-moment update"): the base runs on the whole leaf; for
+  inactive entries the new state is discarded (their moments stay frozen) and the
+  update is zero.
+* **compact**: the base runs on a fixed-capacity vector holding only the active
+  entries, gathered from the gradient and scattered back into the update
+  (``jnp.nonzero(mask, size=capacity)``, so shapes are static under ``jax.jit``). The
+  capacity is ``ceil(density * size)``, or exactly ``size * n / m`` for an N:M mask.
+  A mask with more active entries than the capacity is an error: a ``ValueError``
+  when the mask is concrete, and a runtime error whose message says "capacity
+  overflow" under ``jax.jit`` (raised from a host callback that runs only then).
+  When the mask changes, moments of entries that stay active move to their new slot
+  and newly active entries start from zero (so, under ``periodic_mask``, ``compact``
+  equals ``skip`` numerically for element-wise bases such as Adam, RMSProp, SGD with
+  momentum). The stored-entry set is kept as a packed bit mask (1 bit per entry), so
+  the state is ``capacity * (per-entry base state) + size / 8`` bytes.
+
+**Auto-dense.** Compact storage costs the active entries plus bookkeeping and a gather
+/ scatter per step; above a density of ``density_threshold`` (default 0.6, the seed's
+figure) it saves little memory and costs time, so such leaves use skip storage
+automatically. Leaves outside ``where`` are plain dense (their update is the base's).
+
+**Offload** (``mode="offload"``): skip storage plus a per-leaf counter of consecutive
+steps whose mask was all-inactive. After ``offload_after`` such steps the leaf is marked
+cold; :func:`offload_sparse_state` (called on the host between steps, outside
+``jax.jit``) moves cold leaves' state to host memory (``memory_kind="pinned_host"``) and
+leaves that became active again back to device memory. Inside the jitted update a
+host-resident leaf is only touched when its mask has an active entry (a ``lax.cond``:
+it is copied to the device, updated and copied back); while it stays inactive it is not
+transferred at all. Placement is static in a compiled function, so the step recompiles
+when the placement changes -- call the helper every few hundred steps, not every step.
+Where the backend has no host memory kinds (or this JAX lacks ``jax.memory``) the
+helper returns the state unchanged and offload behaves exactly like skip.
+
+The base must be element-wise for ``compact`` to equal ``skip`` (a global-norm clip
+sees only the active entries in compact storage and every entry in skip storage).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from magma_optax import _scoping
+
+MODES = ("skip", "compact", "offload")
+DEFAULT_DENSITY_THRESHOLD = 0.6
+HOST_MEMORY_KIND = "pinned_host"
+
+# jax.memory.Space (jax >= 0.10) names memory spaces inside jit; absent -> no offload.
+_SPACE = getattr(getattr(jax, "memory", None), "Space", None)
+
+
+def _is_masked(x: Any) -> bool:
+  return isinstance(x, optax.MaskedNode)
+
+
+def _memory_space(x: Any) -> Any:
+  try:
+    return getattr(jax.typeof(x), "memory_space", None)
+  except Exception:  # noqa: BLE001  non-array leaves have no memory space
+    return None
+
+
+def _on_host(x: Any) -> bool:
+  return _SPACE is not None and _memory_space(x) == _SPACE.Host
+
+
+class SparseState(NamedTuple):
+  """State of :func:`sparse_state`.
+
+  Attributes:
+    base_state: the base optimizer's state over the *stored* tree: a compact leaf
+      is stored as a ``(capacity,)`` vector, other leaves at their full shape.
+    stored_bits: per compact leaf a uint8 ``(ceil(size / 8),)`` packed bit mask of
+      the entries held in the compact slots (in flat-index order);
+      ``optax.MaskedNode`` for leaves with dense storage.
+    inactive_steps: per scoped leaf (offload mode) an int32 scalar, consecutive
+      steps with an all-inactive mask; ``optax.MaskedNode`` otherwise.
+    cold: per scoped leaf (offload mode) a bool scalar, ``inactive_steps >=
+      offload_after`` (read by :func:`offload_sparse_state`).
+  """
+
+  base_state: Any
+  stored_bits: Any
+  inactive_steps: Any
+  cold: Any
+
+
+class _Leaf(NamedTuple):
+  kind: str  # "plain" (unscoped), "skip" or "compact"
+  size: int
+  capacity: int
+
+
+def _capacity(size: int, density: float | None, structure) -> int:
+  if structure is not None:
+    return size * structure[0] // structure[1]
+  return min(size, max(1, math.ceil(density * size)))
+
+
+def _raise_overflow(active, capacity):
+  raise ValueError(
+    f"sparse_state compact capacity overflow: a parameter mask has {int(active)}"
+    f" active entries but the compact storage holds {int(capacity)}; raise"
+    " `density` (or use mode='skip')."
+  )
+
+
+def _per_entry_map(fn, shapes, treedef, *trees):
+  """Maps ``fn(i, *leaves)`` over per-entry subtrees of ``trees``; keeps the rest.
+
+  A per-entry subtree has the stored tree's structure (``MaskedNode`` allowed) and
+  each array leaf the stored leaf's shape. Other leaves come from ``trees[0]``.
+  """
+
+  def is_per_entry(node):
+    leaves, node_def = jax.tree.flatten(node, is_leaf=_is_masked)
+    if node_def != treedef:
+      return False
+    return all(
+      _is_masked(x) or (hasattr(x, "shape") and tuple(x.shape) == s)
+      for x, s in zip(leaves, shapes, strict=True)
+    )
+
+  def combine(first, *rest):
+    if not is_per_entry(first):
+      return first
+    flat = [jax.tree.flatten(t, is_leaf=_is_masked)[0] for t in (first, *rest)]
+    out = [
+      x[0] if _is_masked(x[0]) else fn(i, *x)
+      for i, x in enumerate(zip(*flat, strict=True))
+    ]
+    return treedef.unflatten(out)
+
+  return jax.tree.map(combine, *trees, is_leaf=is_per_entry)
+
+
+def sparse_state(
+  base: optax.GradientTransformation,
+  *,
+  mode: str = "skip",
+  density: float | None = None,
+  structure: tuple[int, int] | None = None,
+  density_threshold: float = DEFAULT_DENSITY_THRESHOLD,
+  offload_after: int = 100,
+  where: _scoping.Where = None,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Keeps ``base``'s state only for the active entries of ``param_mask``.
+
+  With mask ``M`` (extra argument ``param_mask``, a pytree like the params of bool
+  arrays; ``None`` or ``optax.MaskedNode`` leaves mean "all active")::
+
+      skip:     u, s' = base(g, s);   s <- where(M, s', s);   u <- where(M, u, 0)
+      compact:  I = nonzero(M, size=C);  u_I, s_I <- base(g[I], s_I);
+                u = scatter(u_I at I)          (s_I holds only C slots)
+
+  Args:
+    base: an element-wise optimizer such as ``optax.adam(1e-3)``; it receives the
+      other extra args, and ``param_mask`` restricted to what it stores.
+    mode: ``"skip"``, ``"compact"`` or ``"offload"`` (see the module docstring).
+    density: upper bound in (0, 1] on the fraction of active entries per leaf;
+      sets the compact capacity ``ceil(density * size)``. Needed for ``"compact"``
+      unless ``structure`` is given.
+    structure: ``(n, m)`` for N:M masks: exact capacity ``size * n / m``.
+    density_threshold: leaves with capacity above this fraction of their size use
+      skip storage (default 0.6).
+    offload_after: K >= 1, steps of an all-inactive mask after which a leaf is cold
+      (offload mode).
+    where: which leaves get sparse storage (``None``: all floating leaves); others
+      are updated densely by ``base``.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` with a :class:`SparseState`.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import magma_optax as magma
+    >>> tx = magma.periodic_mask(
+    ...     magma.sparse_state(optax.adam(1e-3), mode="compact", density=0.25),
+    ...     sparsity=0.75, every=100)
+    >>> params = {"w": jnp.arange(16.0).reshape(4, 4)}
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({"w": jnp.ones((4, 4))}, state, params)
+    >>> state.inner_state.base_state[0].mu["w"].shape
+    (4,)
+
+  References:
+    Lee et al., jaxpruner, arXiv 2304.14082 (2023) (dense state for pruned weights,
+    which this avoids).
+  """
+  if mode not in MODES:
+    raise ValueError(f"mode must be one of {MODES}; got {mode!r}.")
+  if structure is not None:
+    ok = (
+      isinstance(structure, tuple | list)
+      and len(structure) == 2
+      and all(isinstance(v, int) and not isinstance(v, bool) for v in structure)
+    )
+    if not ok or not 1 <= structure[0] <= structure[1]:
+      raise ValueError(
+        f"structure must be None or (n, m) ints with 1 <= n <= m; got {structure!r}."
+      )
+    structure = tuple(structure)
+    if density is not None:
+      raise ValueError("give density or structure, not both.")
+  if density is not None and not (
+    isinstance(density, int | float) and 0.0 < density <= 1.0
+  ):
+    raise ValueError(f"density must be a float in (0, 1]; got {density!r}.")
+  if mode == "compact" and density is None and structure is None:
+    raise ValueError(
+      "mode='compact' needs density= (the largest active fraction per leaf, in"
+      " (0, 1]) or structure=(n, m) to size its fixed-capacity buffers."
+    )
+  if not isinstance(density_threshold, int | float) or not (
+    0.0 <= density_threshold <= 1.0
+  ):
+    raise ValueError(
+      f"density_threshold must lie in [0, 1]; got {density_threshold!r}."
+    )
+  if (
+    isinstance(offload_after, bool)
+    or not isinstance(offload_after, int)
+    or (offload_after < 1)
+  ):
+    raise ValueError(f"offload_after must be an int >= 1; got {offload_after!r}.")
+  base = optax.with_extra_args_support(base)
+
+  def leaf_plans(tree):
+    plans, treedef = _scoping.plan_leaves(
+      tree,
+      where=where,
+      labels=lambda path, leaf: "",
+      keep_prob=1.0,
+      granularity="tensor",
+      stack_axes=0,
+    )
+    out = []
+    for p, x in zip(plans, treedef.flatten_up_to(tree), strict=True):
+      size = int(math.prod(jnp.shape(x)))
+      if p.layout is None:
+        out.append(_Leaf("plain", size, size))
+        continue
+      if mode == "compact" and size > 0:
+        if structure is not None and size % structure[1]:
+          raise ValueError(
+            f"structure={structure} needs every scoped leaf's size to be a"
+            f" multiple of {structure[1]}; a leaf has shape {jnp.shape(x)}."
+          )
+        cap = _capacity(size, density, structure)
+        if cap <= density_threshold * size:
+          out.append(_Leaf("compact", size, cap))
+          continue
+      out.append(_Leaf("skip", size, size))
+    return out, treedef
+
+  def stored_shapes(leaves, tree_leaves):
+    return [
+      (lf.capacity,) if lf.kind == "compact" else tuple(jnp.shape(x))
+      for lf, x in zip(leaves, tree_leaves, strict=True)
+    ]
+
+  def init_fn(params):
+    leaves, treedef = leaf_plans(params)
+    flat = treedef.flatten_up_to(params)
+    stored = [
+      jnp.zeros((lf.capacity,), x.dtype) if lf.kind == "compact" else x
+      for lf, x in zip(leaves, flat, strict=True)
+    ]
+    bits = [
+      jnp.zeros(((lf.size + 7) // 8,), jnp.uint8)
+      if lf.kind == "compact"
+      else optax.MaskedNode()
+      for lf in leaves
+    ]
+    offload = mode == "offload"
+    steps = [
+      jnp.zeros([], jnp.int32) if offload and lf.kind != "plain" else None
+      for lf in leaves
+    ]
+    return SparseState(
+      base_state=base.init(treedef.unflatten(stored)),
+      stored_bits=treedef.unflatten(bits),
+      inactive_steps=treedef.unflatten(
+        [optax.MaskedNode() if s is None else s for s in steps]
+      ),
+      cold=treedef.unflatten(
+        [optax.MaskedNode() if s is None else s >= offload_after for s in steps]
+      ),
+    )
+
+  def leaf_masks(param_mask, leaves, treedef, flat):
+    if param_mask is None:
+      masks = [None] * len(leaves)
+    else:
+      try:
+        masks = treedef.flatten_up_to(param_mask)
+      except (ValueError, TypeError) as e:
+        raise ValueError(f"param_mask must be a pytree like the params; {e}") from None
+    out = []
+    for i, (lf, m, x) in enumerate(zip(leaves, masks, flat, strict=True)):
+      if m is None or _is_masked(m) or lf.kind == "plain":
+        if lf.kind == "compact":
+          raise ValueError(
+            f"leaf {i} uses compact storage but param_mask has no mask for it;"
+            " pass param_mask= (periodic_mask does) or scope the leaf out with"
+            " `where`."
+          )
+        out.append(None)
+        continue
+      m = jnp.asarray(m)
+      if m.shape != jnp.shape(x):
+        raise ValueError(
+          f"param_mask leaf {i} has shape {m.shape}; the parameter has {jnp.shape(x)}."
+        )
+      out.append(m.astype(jnp.bool_))
+    return out
+
+  def update_fn(updates, state, params=None, *, param_mask=None, **extra_args):
+    leaves, treedef = leaf_plans(updates)
+    flat_g = treedef.flatten_up_to(updates)
+    flat_p = treedef.flatten_up_to(params) if params is not None else None
+    masks = leaf_masks(param_mask, leaves, treedef, flat_g)
+    shapes = stored_shapes(leaves, flat_g)
+    bits = jax.tree.leaves(state.stored_bits, is_leaf=_is_masked)
+    any_active = [None if m is None else jnp.any(m) for m in masks]
+
+    # Compact leaves: indices of the active entries, and a slot remap on change.
+    new_idx, new_bits, remap = {}, list(bits), {}
+    for i, lf in enumerate(leaves):
+      if lf.kind != "compact":
+        continue
+      flat_m = masks[i].reshape(-1)
+      n_active = jnp.sum(flat_m, dtype=jnp.int32)
+      if isinstance(n_active, jax.core.Tracer):
+        jax.lax.cond(
+          n_active > lf.capacity,
+          lambda n=n_active, c=lf.capacity: jax.debug.callback(_raise_overflow, n, c),
+          lambda: None,
+        )
+      elif int(n_active) > lf.capacity:
+        _raise_overflow(n_active, lf.capacity)
+      new_idx[i] = jnp.nonzero(flat_m, size=lf.capacity, fill_value=lf.size)[0]
+      new_bits[i] = jnp.packbits(flat_m)
+      remap[i] = jnp.any(new_bits[i] != bits[i])
+
+    def remap_state(base_state):
+      def move(i, x):
+        if i not in remap:
+          return x
+        old_mask = jnp.unpackbits(bits[i], count=leaves[i].size).astype(jnp.bool_)
+        old_idx = jnp.nonzero(old_mask, size=leaves[i].capacity, fill_value=-1)[0]
+        old_idx = jnp.where(old_idx < 0, leaves[i].size, old_idx)
+        pos = jnp.clip(jnp.searchsorted(old_idx, new_idx[i]), 0, x.shape[0] - 1)
+        found = (old_idx[pos] == new_idx[i]) & (new_idx[i] < leaves[i].size)
+        return jnp.where(found, x[pos], jnp.zeros([], x.dtype))
+
+      return _per_entry_map(move, shapes, treedef, base_state)
+
+    base_state = state.base_state
+    if remap:
+      changed = jnp.any(jnp.stack(list(remap.values())))
+      base_state = jax.lax.cond(changed, remap_state, lambda s: s, base_state)
+
+    # Offloaded (host-resident) leaves come to the device only when active.
+    def fetch(i, x):
+      if not _on_host(x):
+        return x
+      return jax.lax.cond(
+        any_active[i],
+        lambda: jax.device_put(x, _SPACE.Device),
+        lambda: jnp.zeros(x.shape, x.dtype),
+      )
+
+    old_state = _per_entry_map(fetch, shapes, treedef, base_state)
+
+    def gather(i, x):
+      if leaves[i].kind != "compact":
+        return x
+      return jnp.take(x.reshape(-1), new_idx[i], mode="fill", fill_value=0)
+
+    stored_g = [gather(i, g) for i, g in enumerate(flat_g)]
+    stored_p = None if flat_p is None else [gather(i, p) for i, p in enumerate(flat_p)]
+    stored_mask = [
+      optax.MaskedNode()
+      if m is None
+      else (new_idx[i] < leaves[i].size if leaves[i].kind == "compact" else m)
+      for i, m in enumerate(masks)
+    ]
+    base_updates, new_state = base.update(
+      treedef.unflatten(stored_g),
+      old_state,
+      None if stored_p is None else treedef.unflatten(stored_p),
+      param_mask=treedef.unflatten(stored_mask),
+      **extra_args,
+    )
+
+    def freeze(i, new, old):
+      if leaves[i].kind == "skip" and masks[i] is not None:
+        new = jnp.where(masks[i], new, old)
+      return new
+
+    new_state = _per_entry_map(freeze, shapes, treedef, new_state, old_state)
+
+    def store(i, new, orig):
+      if not _on_host(orig):
+        return new
+      return jax.lax.cond(
+        any_active[i], lambda: jax.device_put(new, _SPACE.Host), lambda: orig
+      )
+
+    new_state = _per_entry_map(store, shapes, treedef, new_state, base_state)
+
+    out = []
+    for i, (lf, u, g) in enumerate(
+      zip(leaves, treedef.flatten_up_to(base_updates), flat_g, strict=True)
+    ):
+      if lf.kind == "compact":
+        full = jnp.zeros((lf.size,), u.dtype).at[new_idx[i]].set(u, mode="drop")
+        out.append(full.reshape(jnp.shape(g)))
+      elif masks[i] is not None:
+        out.append(jnp.where(masks[i], u, jnp.zeros([], u.dtype)))
+      else:
+        out.append(u)
+
+    steps = jax.tree.leaves(state.inactive_steps, is_leaf=_is_masked)
+    new_steps = [
+      s
+      if _is_masked(s)
+      else (
+        jnp.zeros([], jnp.int32)
+        if any_active[i] is None
+        else jnp.where(any_active[i], 0, optax.safe_increment(s))
+      )
+      for i, s in enumerate(steps)
+    ]
+    new_cold = [s if _is_masked(s) else s >= offload_after for s in new_steps]
+    return treedef.unflatten(out), SparseState(
+      base_state=new_state,
+      stored_bits=treedef.unflatten(new_bits),
+      inactive_steps=treedef.unflatten(new_steps),
+      cold=treedef.unflatten(new_cold),
+    )
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def host_offload_available(device: jax.Device | None = None) -> bool:
+  """Whether ``device`` (default: the first) has a ``pinned_host`` memory kind."""
+  if _SPACE is None:
+    return False
+  device = device or jax.devices()[0]
+  try:
+    kinds = {m.kind for m in device.addressable_memories()}
+  except Exception:  # noqa: BLE001  backends without memory kinds
+    return False
+  return HOST_MEMORY_KIND in kinds
+
+
+def offload_sparse_state(opt_state: Any, params: Any) -> Any:
+  """Moves cold leaves' sparse state to host memory and active ones back to device.
+
+  Call on the host between (jitted) steps; it reads the per-leaf ``cold`` flags of
+  every offload-mode :class:`SparseState` in ``opt_state`` (a host sync) and
+  ``jax.device_put``\\ s their per-entry base state to ``memory_kind="pinned_host"``
+  (cold) or the device's default memory (no longer cold). Sharding is kept. Where
+  host memory kinds are unavailable (see :func:`host_offload_available`) the state
+  is returned unchanged.
+
+  Args:
+    opt_state: an optimizer state containing a ``sparse_state(mode="offload")``.
+    params: the parameters (their structure and shapes identify per-entry state).
+
+  Returns:
+    The state with per-entry base state placed by coldness.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import magma_optax as magma
+    >>> tx = magma.sparse_state(optax.adam(1e-3), mode="offload", offload_after=1)
+    >>> params = {"w": jnp.ones(4)}
+    >>> state = tx.init(params)
+    >>> mask = {"w": jnp.zeros(4, bool)}
+    >>> _, state = tx.update(params, state, params, param_mask=mask)
+    >>> state = magma.offload_sparse_state(state, params)
+  """
+  if not host_offload_available():
+    return opt_state
+  flat_p, treedef = jax.tree.flatten(params)
+  shapes = [tuple(jnp.shape(x)) for x in flat_p]
+  is_state = lambda x: isinstance(x, SparseState)
+
+  def place(node):
+    if not is_state(node):
+      return node
+    cold = jax.tree.leaves(node.cold, is_leaf=_is_masked)
+    if all(_is_masked(c) for c in cold):
+      return node
+    cold = [None if _is_masked(c) else bool(c) for c in cold]
+
+    def move(i, x):
+      if cold[i] is None:
+        return x
+      sharding = x.sharding
+      want = HOST_MEMORY_KIND if cold[i] else jax.devices()[0].default_memory().kind
+      if sharding.memory_kind == want:
+        return x
+      return jax.device_put(x, sharding.with_memory_kind(want))
+
+    return node._replace(
+      base_state=_per_entry_map(move, shapes, treedef, node.base_state)
+    )
+
+  return jax.tree.map(place, opt_state, is_leaf=is_state)
