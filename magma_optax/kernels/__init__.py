@@ -1,0 +1,29 @@
+"""Fused kernels: one Adam + mask + per-block scale pass, with Magma's partial sums.
+
+Layout as in levanter's kernels: :mod:`api` is the entry point
+(:func:`masked_adam`, with ``implementation=``), :mod:`reference` the plain-jnp
+version (the XLA path), :mod:`pallas_gpu` the Pallas kernel, :mod:`config` the
+block sizes. Importing this package does not need a GPU.
+"""
+
+from magma_optax.kernels.api import DEFAULT_IMPLEMENTATIONS
+from magma_optax.kernels.api import IMPLEMENTATIONS
+from magma_optax.kernels.api import derived_sums
+from magma_optax.kernels.api import masked_adam
+from magma_optax.kernels.api import resolve_implementation
+from magma_optax.kernels.config import BlockSizes
+from magma_optax.kernels.reference import AdamConstants
+from magma_optax.kernels.reference import MaskedAdamOutput
+from magma_optax.kernels.reference import masked_adam_reference
+
+__all__ = (
+  "DEFAULT_IMPLEMENTATIONS",
+  "IMPLEMENTATIONS",
+  "AdamConstants",
+  "BlockSizes",
+  "MaskedAdamOutput",
+  "derived_sums",
+  "masked_adam",
+  "masked_adam_reference",
+  "resolve_implementation",
+)

@@ -1,0 +1,234 @@
+"""The one entry point of the fused masked-Adam step, with ``implementation=``.
+
+``masked_adam`` runs one Adam step on one leaf, masks and scales its update per
+block, and returns the per-block partial sums of Magma's cosine (see
+:mod:`magma_optax.kernels.reference` for the math). Implementations:
+
+* ``"xla"``: plain ``jax.numpy`` (:mod:`reference`), any backend; the CPU default.
+* ``"pallas"``: the Pallas kernel (:mod:`pallas_gpu`): Triton on GPU; anywhere with
+  ``interpret=True`` (slow: tests only). Needs contiguous blocks.
+* a sequence such as ``("pallas", "xla")``: the first that can run.
+
+``implementation=None`` tries ``DEFAULT_IMPLEMENTATIONS`` and falls back silently to
+XLA off-accelerator. An explicit request that cannot run raises ``ValueError`` at
+trace time, saying why.
+
+The per-block scale may depend on this step's alignment sums (Magma's score needs
+cos(m_t, g_t) before the update is scaled). Pass ``scale=`` a callable
+``(mu_dot_grad, mu_sq_norm, grad_sq_norm) -> scale`` and each implementation orders
+the work for its hardware: XLA computes m_t, the sums, then the update (XLA fuses
+what it can); the Pallas path first reduces m_{t-1} and g -- which Adam reads anyway
+-- and derives the sums of m_t = b1 m_{t-1} + (1 - b1) g exactly::
+
+    <m_t, g>  = b1 <m_{t-1}, g> + (1 - b1) ||g||^2
+    ||m_t||^2 = b1^2 ||m_{t-1}||^2 + 2 b1 (1 - b1) <m_{t-1}, g> + (1 - b1)^2 ||g||^2
+
+so the kernel itself makes a single pass. (The derived sums equal the direct ones up
+to float32 rounding; when m_t nearly cancels, the cosine is ill-conditioned either
+way.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from magma_optax import _blocks
+from magma_optax.kernels import config as config_lib
+from magma_optax.kernels import pallas_gpu
+from magma_optax.kernels import reference
+
+IMPLEMENTATIONS = ("xla", "pallas")
+# Tried in order when implementation=None; XLA last, so the default always runs.
+DEFAULT_IMPLEMENTATIONS = ("pallas", "xla")
+
+ScaleFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def why_unavailable(
+  implementation: str, *, layout: _blocks.BlockLayout, interpret: bool = False
+) -> str | None:
+  """``None`` if ``implementation`` can run here, else the reason it cannot."""
+  if implementation == "xla":
+    return None
+  if implementation != "pallas":
+    raise ValueError(
+      f"implementation must be one of {IMPLEMENTATIONS}, a sequence of them, or"
+      f" None; got {implementation!r}."
+    )
+  if not pallas_gpu.is_contiguous(layout):
+    return (
+      "the Pallas kernel needs contiguous mask blocks (granularity 'tensor', 'row'"
+      f" or 'element'), but this leaf's blocks reduce axes {layout.reduce_axes}"
+      f" of {layout.expanded_shape}"
+    )
+  if interpret:
+    return None
+  backend = jax.default_backend()
+  if backend == "gpu":
+    return None
+  if backend == "tpu":
+    return "the TPU (Mosaic) kernel is not implemented yet; use 'xla' on TPU"
+  return (
+    f"Pallas kernels need a GPU, and the default backend is {backend!r}; pass"
+    " interpret=True to run the kernel in the Pallas interpreter (slow; for tests)"
+    " or use implementation='xla'"
+  )
+
+
+def resolve_implementation(
+  implementation: str | Sequence[str] | None,
+  *,
+  layout: _blocks.BlockLayout,
+  interpret: bool = False,
+) -> str:
+  """The implementation that will run (see the module docstring).
+
+  Raises:
+    ValueError: if an explicitly requested implementation (or every one of a
+      requested sequence) cannot run here, naming why.
+  """
+  if implementation is None:
+    order = DEFAULT_IMPLEMENTATIONS
+  elif isinstance(implementation, str):
+    order = (implementation,)
+  else:
+    order = tuple(implementation)
+    if not order:
+      raise ValueError("implementation must not be an empty sequence.")
+  reasons = []
+  for impl in order:
+    why = why_unavailable(impl, layout=layout, interpret=interpret)
+    if why is None:
+      return impl
+    reasons.append(f"{impl!r}: {why}")
+  raise ValueError(
+    f"implementation={implementation!r} cannot run here: " + "; ".join(reasons) + "."
+  )
+
+
+def masked_adam(
+  grad: jax.Array,
+  mu: jax.Array,
+  nu: jax.Array,
+  *,
+  count: Any,
+  learning_rate: Any,
+  b1: float = 0.9,
+  b2: float = 0.999,
+  eps: float = 1e-8,
+  eps_root: float = 0.0,
+  weight_decay: Any = 0.0,
+  params: jax.Array | None = None,
+  param_mask: jax.Array | None = None,
+  scale: jax.Array | ScaleFn | None = None,
+  layout: _blocks.BlockLayout | None = None,
+  implementation: str | Sequence[str] | None = None,
+  interpret: bool = False,
+  block_sizes: config_lib.BlockSizes | None = None,
+) -> reference.MaskedAdamOutput:
+  r"""One fused Adam step on one leaf with a per-block masked, scaled update.
+
+  Per entry (float32 inside, see :mod:`magma_optax.kernels.reference`)::
+
+      m' = (1 - b1) g + b1 m;   v' = (1 - b2) g^2 + b2 v
+      update = scale_b * (-lr) * ((m' / (1 - b1^t)) / (sqrt(v' / (1 - b2^t)
+               + eps_root) + eps) + weight_decay * p)
+
+  and per block b the sums <m', g>, ||m'||^2, ||g||^2 (Magma's cosine). Entries
+  where ``param_mask`` is False keep their moments, get update 0 and are left out
+  of the sums.
+
+  Args:
+    grad: the gradient g.
+    mu: Adam's first moment m (any float dtype; keeps it).
+    nu: Adam's second moment v.
+    count: the step t >= 1 for bias correction (the incremented count).
+    learning_rate: scalar (traced values are fine).
+    b1, b2, eps, eps_root: Adam's constants (static Python floats).
+    weight_decay: decoupled weight decay (AdamW); needs ``params`` when nonzero.
+    params: the parameters (only read for weight decay).
+    param_mask: optional bool array, ``grad``'s shape; False entries do not exist.
+    scale: per-block f32 scale of ``layout.block_shape``; or a callable
+      ``(mu_dot_grad, mu_sq_norm, grad_sq_norm) -> scale`` of this step's sums;
+      ``None``: 1 (plain Adam).
+    layout: the leaf's :class:`BlockLayout` (default: the whole leaf is one block).
+    implementation: ``"xla"``, ``"pallas"``, a sequence to try in order, or
+      ``None`` (``DEFAULT_IMPLEMENTATIONS``: Pallas on GPU, else XLA).
+    interpret: run the Pallas kernel in the interpreter (CPU tests).
+    block_sizes: Pallas tile shape (default: :meth:`BlockSizes.get_default`).
+
+  Returns:
+    A :class:`MaskedAdamOutput` (new moments, masked update, per-block sums).
+
+  Raises:
+    ValueError: if an explicitly requested implementation cannot run here.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from magma_optax import kernels
+    >>> g = jnp.ones((4, 8)); m = jnp.zeros((4, 8)); v = jnp.zeros((4, 8))
+    >>> out = kernels.masked_adam(g, m, v, count=1, learning_rate=1e-3,
+    ...                           scale=jnp.asarray(0.5), implementation="xla")
+    >>> float(out.update[0, 0])  # -lr * scale * m_hat / (sqrt(v_hat) + eps)
+    -0.0005
+
+  References:
+    Kingma & Ba, Adam, arXiv 1412.6980; Joo et al., On Surprising Effectiveness of
+    Masking Updates in Adaptive Optimizers, arXiv 2602.15322 (2026), Algorithm 1.
+  """
+  layout = layout or reference.tensor_layout(grad.shape)
+  if not (grad.shape == mu.shape == nu.shape):
+    raise ValueError(
+      f"grad, mu and nu must have one shape; got {grad.shape}, {mu.shape}, {nu.shape}."
+    )
+  if tuple(layout.shape) != tuple(grad.shape):
+    raise ValueError(f"layout is for shape {layout.shape}, grad has {grad.shape}.")
+  impl = resolve_implementation(implementation, layout=layout, interpret=interpret)
+  constants = reference.AdamConstants(float(b1), float(b2), float(eps), float(eps_root))
+  hyper = reference.hyperparams(count, learning_rate, weight_decay, constants)
+  if impl == "xla":
+    if callable(scale):
+      new_m, new_v = reference.moments(grad, mu, nu, constants, param_mask)
+      out_m = new_m.astype(mu.dtype)
+      sums = reference.partial_sums(layout, out_m, grad, param_mask)
+      u = reference.update(
+        new_m, new_v, hyper, constants, layout=layout, scale=scale(*sums),
+        params=params, param_mask=param_mask, dtype=grad.dtype,
+      )  # fmt: skip
+      return reference.MaskedAdamOutput(out_m, new_v.astype(nu.dtype), u, *sums)
+    return reference.masked_adam_reference(
+      grad, mu, nu, hyper, constants, scale=scale, layout=layout,
+      param_mask=param_mask, params=params,
+    )  # fmt: skip
+  if callable(scale):
+    scale = scale(*derived_sums(layout, mu, grad, b1, param_mask))
+  return pallas_gpu.masked_adam_pallas(
+    grad, mu, nu, hyper, constants, scale=scale, layout=layout,
+    param_mask=param_mask, params=params, block_sizes=block_sizes,
+    interpret=interpret,
+  )  # fmt: skip
+
+
+def derived_sums(
+  layout: _blocks.BlockLayout,
+  mu_prev: jax.Array,
+  grad: jax.Array,
+  b1: float,
+  param_mask: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """This step's ``(<m_t, g>, ||m_t||^2, ||g||^2)`` from m_{t-1} and g (no m_t).
+
+  One reduction pass over (m_{t-1}, g) and the algebra in the module docstring;
+  over the existing entries only when ``param_mask`` is given (there m_t follows
+  the EMA; elsewhere it is not counted).
+  """
+  dot, mm, gg = reference.partial_sums(layout, mu_prev, grad, param_mask)
+  c = 1.0 - b1
+  new_dot = b1 * dot + c * gg
+  new_mm = jnp.maximum(b1 * b1 * mm + 2.0 * b1 * c * dot + c * c * gg, 0.0)
+  return new_dot, new_mm, gg

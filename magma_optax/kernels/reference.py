@@ -1,0 +1,201 @@
+"""The fused masked-Adam step in plain ``jax.numpy``: the reference and the XLA path.
+
+One step over a leaf with gradient g, first and second moments m, v, per-block scale
+``scale`` (Magma's s_t z_t; 1 for plain Adam) and optional per-element parameter mask
+M (which weights exist)::
+
+    m'  = (1 - b1) g + b1 m                       v' = (1 - b2) g^2 + b2 v
+    u   = (m' / bc1) / (sqrt(v' / bc2 + eps_root) + eps)   [+ weight_decay * p]
+    out = scale_b * (-lr * u)                      bc_i = 1 - b_i^t
+    sums per block: <m', g>,  ||m'||^2,  ||g||^2   (Magma's cosine)
+
+with the expressions in optax's order, so that for float32 inputs the moments and the
+update equal ``optax.adam`` / ``optax.adamw`` composed with a block mask. Where M is
+False the entry does not exist: its moments stay frozen, its update is 0 and it is
+left out of the sums.
+
+Everything is computed in float32 and cast back: moments to their own dtype, the
+update to the gradient's dtype, the sums stay float32. (``optax.adam`` on bfloat16
+inputs computes in bfloat16; here bfloat16 is a storage format only.)
+
+``hyper`` is the float32 vector ``[learning_rate, bc1, bc2, weight_decay]`` built by
+:func:`hyperparams`: the values that may change every step (schedules, the step
+count) travel as data, so a kernel compiles once. ``b1``, ``b2``, ``eps`` and
+``eps_root`` are static (:class:`AdamConstants`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from magma_optax import _blocks
+
+LEARNING_RATE, BIAS_CORRECTION1, BIAS_CORRECTION2, WEIGHT_DECAY = range(4)
+NUM_HYPERPARAMS = 4
+
+
+class AdamConstants(NamedTuple):
+  """Adam's static hyperparameters (Python floats, part of the compiled kernel)."""
+
+  b1: float = 0.9
+  b2: float = 0.999
+  eps: float = 1e-8
+  eps_root: float = 0.0
+
+
+class MaskedAdamOutput(NamedTuple):
+  """What one fused step returns for one leaf.
+
+  Attributes:
+    mu: new first moment m' (the input moment's dtype).
+    nu: new second moment v' (the input moment's dtype).
+    update: the masked update ``scale * (-lr * u)`` (the gradient's dtype).
+    mu_dot_grad: f32 per-block <m', g> (shape: the layout's block shape).
+    mu_sq_norm: f32 per-block ||m'||^2.
+    grad_sq_norm: f32 per-block ||g||^2.
+  """
+
+  mu: jax.Array
+  nu: jax.Array
+  update: jax.Array
+  mu_dot_grad: jax.Array
+  mu_sq_norm: jax.Array
+  grad_sq_norm: jax.Array
+
+
+def hyperparams(
+  count: jax.Array, learning_rate: Any, weight_decay: Any, constants: AdamConstants
+) -> jax.Array:
+  """The f32 vector ``[lr, 1 - b1^count, 1 - b2^count, weight_decay]``.
+
+  Args:
+    count: the step number t >= 1 (after the increment), as in ``optax.adam``.
+    learning_rate: scalar learning rate (already evaluated if a schedule).
+    weight_decay: scalar decoupled weight decay (0 for Adam).
+    constants: the static :class:`AdamConstants`.
+  """
+  # Same expressions as optax.tree.bias_correction, so results agree bit for bit.
+  bc1 = 1 - constants.b1**count
+  bc2 = 1 - constants.b2**count
+  return jnp.stack(
+    [
+      jnp.asarray(learning_rate, jnp.float32),
+      jnp.asarray(bc1, jnp.float32),
+      jnp.asarray(bc2, jnp.float32),
+      jnp.asarray(weight_decay, jnp.float32),
+    ]
+  )
+
+
+def tensor_layout(shape: tuple[int, ...]) -> _blocks.BlockLayout:
+  """The layout with one block: the whole leaf."""
+  return _blocks.block_layout(shape, "tensor")
+
+
+def moments(
+  grad: jax.Array,
+  mu: jax.Array,
+  nu: jax.Array,
+  constants: AdamConstants,
+  param_mask: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """New (m', v') in float32 (frozen where ``param_mask`` is False)."""
+  b1, b2 = constants.b1, constants.b2
+  g = grad.astype(jnp.float32)
+  m = mu.astype(jnp.float32)
+  v = nu.astype(jnp.float32)
+  new_m = (1 - b1) * g + b1 * m
+  new_v = (1 - b2) * (g * g) + b2 * v
+  if param_mask is not None:
+    new_m = jnp.where(param_mask, new_m, m)
+    new_v = jnp.where(param_mask, new_v, v)
+  return new_m, new_v
+
+
+def partial_sums(
+  layout: _blocks.BlockLayout,
+  mu: jax.Array,
+  grad: jax.Array,
+  param_mask: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Per-block f32 ``(<mu, g>, ||mu||^2, ||g||^2)`` over the existing entries."""
+  m = mu.astype(jnp.float32)
+  g = grad.astype(jnp.float32)
+  if param_mask is not None:
+    m = jnp.where(param_mask, m, 0.0)
+    g = jnp.where(param_mask, g, 0.0)
+  return layout.block_sum(m * g), layout.block_sum(m * m), layout.block_sum(g * g)
+
+
+def update(
+  new_mu: jax.Array,
+  new_nu: jax.Array,
+  hyper: jax.Array,
+  constants: AdamConstants,
+  *,
+  layout: _blocks.BlockLayout,
+  scale: jax.Array | None = None,
+  params: jax.Array | None = None,
+  param_mask: jax.Array | None = None,
+  dtype: Any = jnp.float32,
+) -> jax.Array:
+  """The masked update from the float32 new moments (see the module docstring)."""
+  mu_hat = new_mu / hyper[BIAS_CORRECTION1]
+  nu_hat = new_nu / hyper[BIAS_CORRECTION2]
+  u = mu_hat / (jnp.sqrt(nu_hat + constants.eps_root) + constants.eps)
+  if params is not None:
+    u = u + hyper[WEIGHT_DECAY] * params.astype(jnp.float32)
+  u = u * -hyper[LEARNING_RATE]
+  if scale is not None:
+    u = u * layout.to_leaf(jnp.asarray(scale, jnp.float32))
+  if param_mask is not None:
+    u = jnp.where(param_mask, u, 0.0)
+  return u.astype(dtype)
+
+
+def masked_adam_reference(
+  grad: jax.Array,
+  mu: jax.Array,
+  nu: jax.Array,
+  hyper: jax.Array,
+  constants: AdamConstants,
+  *,
+  scale: jax.Array | None = None,
+  layout: _blocks.BlockLayout | None = None,
+  param_mask: jax.Array | None = None,
+  params: jax.Array | None = None,
+) -> MaskedAdamOutput:
+  """One fused masked-Adam step in plain jnp (see the module docstring).
+
+  Args:
+    grad, mu, nu: the gradient and Adam's moments (same shape).
+    hyper: f32[4] from :func:`hyperparams`.
+    constants: :class:`AdamConstants`.
+    scale: f32 per-block scale of ``layout.block_shape`` (``None``: 1).
+    layout: the leaf's block layout (``None``: one block).
+    param_mask: optional bool array of the leaf's shape; False entries do not exist.
+    params: the parameters, needed only for weight decay.
+
+  Returns:
+    A :class:`MaskedAdamOutput`.
+  """
+  layout = layout or tensor_layout(grad.shape)
+  new_m, new_v = moments(grad, mu, nu, constants, param_mask)
+  out_m = new_m.astype(mu.dtype)
+  sums = partial_sums(layout, out_m, grad, param_mask)
+  u = update(
+    new_m,
+    new_v,
+    hyper,
+    constants,
+    layout=layout,
+    scale=scale,
+    params=params,
+    param_mask=param_mask,
+    dtype=grad.dtype,
+  )
+  return MaskedAdamOutput(out_m, new_v.astype(nu.dtype), u, *sums)
