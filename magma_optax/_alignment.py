@@ -17,7 +17,8 @@ applies it to a base optimizer's update with the base's own first moment.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -56,7 +57,7 @@ class AlignmentMaskState(NamedTuple):
 
 
 def block_cosine(
-    layout: _blocks.BlockLayout, a: jax.Array, b: jax.Array, axis_name: Any = None
+  layout: _blocks.BlockLayout, a: jax.Array, b: jax.Array, axis_name: Any = None
 ) -> jax.Array:
   """Per-block cosine of ``a`` and ``b`` in f32; 0 where either block is zero.
 
@@ -82,18 +83,18 @@ class _Alignment(NamedTuple):
 
 
 def make_alignment(
-    *,
-    tau,
-    keep_prob,
-    key,
-    score_decay,
-    init_score,
-    momentum_decay,
-    granularity,
-    stack_axes,
-    where,
-    labels,
-    momentum_dtype,
+  *,
+  tau,
+  keep_prob,
+  key,
+  score_decay,
+  init_score,
+  momentum_decay,
+  granularity,
+  stack_axes,
+  where,
+  labels,
+  momentum_dtype,
 ) -> _Alignment:
   """Validates the hyperparameters and returns ``init`` / ``step`` functions.
 
@@ -105,10 +106,11 @@ def make_alignment(
   """
   tau = _schedules.check_positive("tau", tau)
   keep_prob = _scoping.validate_keep_prob(keep_prob)
+  key = _masks.as_key(key)
   score_decay = _schedules.check_decay("score_decay", score_decay)
   momentum_decay = _schedules.check_decay("momentum_decay", momentum_decay)
   init_score = _schedules.check_range(
-      "init_score", init_score, 0.0, 1.0, low_open=False, high_open=False
+    "init_score", init_score, 0.0, 1.0, low_open=False, high_open=False
   )
   granularity = _blocks.validate_granularity(granularity)
   stack_axes = _blocks.validate_stack_axes(stack_axes)
@@ -117,12 +119,12 @@ def make_alignment(
 
   def plan(tree):
     return _scoping.plan_leaves(
-        tree,
-        where=where,
-        labels=labels,
-        keep_prob=keep_prob,
-        granularity=granularity,
-        stack_axes=stack_axes,
+      tree,
+      where=where,
+      labels=labels,
+      keep_prob=keep_prob,
+      granularity=granularity,
+      stack_axes=stack_axes,
     )
 
   def init(params, own_momentum):
@@ -134,9 +136,7 @@ def make_alignment(
         scores.append(optax.MaskedNode())
         momentum.append(optax.MaskedNode())
         continue
-      scores.append(
-          jnp.full(p.layout.block_shape, init_score, dtype=jnp.float32)
-      )
+      scores.append(jnp.full(p.layout.block_shape, init_score, dtype=jnp.float32))
       if own_momentum(p):
         momentum.append(jnp.zeros(x.shape, momentum_dtype or x.dtype))
       else:
@@ -144,13 +144,13 @@ def make_alignment(
     masks = _masks.init_block_masks(plans)
     overall, by_label = _masks.active_fractions(plans, masks)
     return AlignmentMaskState(
-        count=jnp.zeros([], jnp.int32),
-        key=_masks.as_key(key),
-        scores=treedef.unflatten(scores),
-        mask=treedef.unflatten(masks),
-        momentum=treedef.unflatten(momentum),
-        active_fraction=overall,
-        active_fraction_by_label=by_label,
+      count=jnp.zeros([], jnp.int32),
+      key=key,
+      scores=treedef.unflatten(scores),
+      mask=treedef.unflatten(masks),
+      momentum=treedef.unflatten(momentum),
+      active_fraction=overall,
+      active_fraction_by_label=by_label,
     )
 
   def step(deltas, signal, base_momentum, state):
@@ -181,20 +181,20 @@ def make_alignment(
         new_momentum.append(mu)
       cos = block_cosine(p.layout, mu, signal_leaves[i])
       s = score_decay * score_leaves[i] + (1.0 - score_decay) * jax.nn.sigmoid(
-          cos * inv_tau
+        cos * inv_tau
       )
       s = s.astype(jnp.float32)
       new_scores.append(s)
       out.append(_masks.scale_blocks(delta, p.layout, s * masks[i]))
     overall, by_label = _masks.active_fractions(plans, masks)
     new_state = AlignmentMaskState(
-        count=optax.safe_increment(state.count),
-        key=state.key,
-        scores=treedef.unflatten(new_scores),
-        mask=treedef.unflatten(masks),
-        momentum=treedef.unflatten(new_momentum),
-        active_fraction=overall,
-        active_fraction_by_label=by_label,
+      count=optax.safe_increment(state.count),
+      key=state.key,
+      scores=treedef.unflatten(new_scores),
+      mask=treedef.unflatten(masks),
+      momentum=treedef.unflatten(new_momentum),
+      active_fraction=overall,
+      active_fraction_by_label=by_label,
     )
     return treedef.unflatten(out), new_state
 
@@ -202,18 +202,18 @@ def make_alignment(
 
 
 def alignment_mask(
-    tau: _schedules.ScalarOrSchedule = 2.0,
-    *,
-    keep_prob: _schedules.ScalarOrSchedule | dict = 0.5,
-    key: _masks.KeyLike = 0,
-    score_decay: float = 0.9,
-    init_score: float = 0.5,
-    momentum_decay: float = 0.9,
-    granularity: _blocks.Granularity = "tensor",
-    stack_axes: int = 0,
-    where: _scoping.Where = None,
-    labels: _scoping.Labels = None,
-    momentum_dtype: Any = None,
+  tau: _schedules.ScalarOrSchedule = 2.0,
+  *,
+  keep_prob: _schedules.ScalarOrSchedule | dict = 0.5,
+  key: _masks.KeyLike = 0,
+  score_decay: float = 0.9,
+  init_score: float = 0.5,
+  momentum_decay: float = 0.9,
+  granularity: _blocks.Granularity = "tensor",
+  stack_axes: int | None = None,
+  where: _scoping.Where = None,
+  labels: _scoping.Labels = None,
+  momentum_dtype: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Magma's alignment-scaled Bernoulli mask, applied to what flows through it.
 
@@ -239,7 +239,7 @@ def alignment_mask(
     momentum_decay: decay of the momentum EMA in [0, 1) (default 0.9).
     granularity: block granularity (``"tensor"``, ``"row"``, ``"column"``,
       ``"element"`` or a tile shape).
-    stack_axes: number of leading axes that index stacked layers.
+    stack_axes: number of leading axes that index stacked layers (``None``: 0).
     where: which leaves to mask (``None``: all floating leaves; a callable
       ``(path, leaf) -> bool``; or a pytree of bools).
     labels: labels for per-label keep probabilities and statistics (default
@@ -262,17 +262,17 @@ def alignment_mask(
     Optimizers, arXiv 2602.15322 (2026), Algorithm 1 and App. C.4.
   """
   align = make_alignment(
-      tau=tau,
-      keep_prob=keep_prob,
-      key=key,
-      score_decay=score_decay,
-      init_score=init_score,
-      momentum_decay=momentum_decay,
-      granularity=granularity,
-      stack_axes=stack_axes,
-      where=where,
-      labels=labels,
-      momentum_dtype=momentum_dtype,
+    tau=tau,
+    keep_prob=keep_prob,
+    key=key,
+    score_decay=score_decay,
+    init_score=init_score,
+    momentum_decay=momentum_decay,
+    granularity=granularity,
+    stack_axes=stack_axes,
+    where=where,
+    labels=labels,
+    momentum_dtype=momentum_dtype,
   )
 
   def init_fn(params):

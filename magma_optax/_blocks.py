@@ -29,12 +29,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Union
 
 import jax
 import jax.numpy as jnp
 
-Granularity = Union[str, tuple[int, ...]]
+Granularity = str | tuple[int, ...]
 
 NAMED_GRANULARITIES = ("tensor", "row", "column", "element")
 
@@ -44,8 +43,8 @@ def validate_granularity(granularity: Granularity) -> Granularity:
   if isinstance(granularity, str):
     if granularity not in NAMED_GRANULARITIES:
       raise ValueError(
-          f"granularity must be one of {NAMED_GRANULARITIES} or a tile shape such"
-          f" as (3, 3); got {granularity!r}."
+        f"granularity must be one of {NAMED_GRANULARITIES} or a tile shape such"
+        f" as (3, 3); got {granularity!r}."
       )
     return granularity
   if isinstance(granularity, Sequence) and len(granularity) > 0:
@@ -53,15 +52,20 @@ def validate_granularity(granularity: Granularity) -> Granularity:
     if all(isinstance(t, int) and not isinstance(t, bool) and t >= 1 for t in tile):
       return tile
   raise ValueError(
-      f"granularity must be one of {NAMED_GRANULARITIES} or a tile shape of positive"
-      f" ints such as (3, 3); got {granularity!r}."
+    f"granularity must be one of {NAMED_GRANULARITIES} or a tile shape of positive"
+    f" ints such as (3, 3); got {granularity!r}."
   )
 
 
-def validate_stack_axes(stack_axes: int) -> int:
-  """Checks that ``stack_axes`` is a non-negative int."""
+def validate_stack_axes(stack_axes: int | None) -> int:
+  """Checks ``stack_axes`` (``None`` means 0): a static Python int >= 0."""
+  if stack_axes is None:
+    return 0
   if isinstance(stack_axes, bool) or not isinstance(stack_axes, int) or stack_axes < 0:
-    raise ValueError(f"stack_axes must be an int >= 0; got {stack_axes!r}.")
+    raise ValueError(
+      f"stack_axes must be a Python int >= 0 or None; got {stack_axes!r}. (With"
+      " optax.inject_hyperparams, pass static_args=('stack_axes',).)"
+    )
   return stack_axes
 
 
@@ -84,7 +88,7 @@ class BlockLayout:
   def block_shape(self) -> tuple[int, ...]:
     """Shape of the per-block arrays (scores, masks) of this leaf."""
     return tuple(
-        d for i, d in enumerate(self.expanded_shape) if i not in self.reduce_axes
+      d for i, d in enumerate(self.expanded_shape) if i not in self.reduce_axes
     )
 
   @property
@@ -103,15 +107,15 @@ class BlockLayout:
   def to_leaf(self, values: jax.Array) -> jax.Array:
     """Broadcasts per-block values back to the leaf's shape."""
     keep = tuple(
-        1 if i in self.reduce_axes else d for i, d in enumerate(self.expanded_shape)
+      1 if i in self.reduce_axes else d for i, d in enumerate(self.expanded_shape)
     )
     return jnp.broadcast_to(values.reshape(keep), self.expanded_shape).reshape(
-        self.shape
+      self.shape
     )
 
 
 def block_layout(
-    shape: Sequence[int], granularity: Granularity, stack_axes: int = 0
+  shape: Sequence[int], granularity: Granularity, stack_axes: int = 0
 ) -> BlockLayout:
   """Returns the :class:`BlockLayout` of a leaf of ``shape``.
 
@@ -122,8 +126,8 @@ def block_layout(
   shape = tuple(int(d) for d in shape)
   if stack_axes > len(shape):
     raise ValueError(
-        f"stack_axes={stack_axes} but a leaf has shape {shape} (rank {len(shape)});"
-        " stack_axes must be <= the rank of every scoped leaf."
+      f"stack_axes={stack_axes} but a leaf has shape {shape} (rank {len(shape)});"
+      " stack_axes must be <= the rank of every scoped leaf."
     )
   lead, body = shape[:stack_axes], shape[stack_axes:]
   k = len(lead)
@@ -140,9 +144,9 @@ def block_layout(
     for dim, t in zip(tiled, granularity, strict=True):
       if dim % t:
         raise ValueError(
-            f"granularity tile {granularity} does not divide the last {r} axes"
-            f" {tiled} of a leaf of shape {shape}; choose a tile whose sizes"
-            " divide those axes, or scope the leaf out with `where`."
+          f"granularity tile {granularity} does not divide the last {r} axes"
+          f" {tiled} of a leaf of shape {shape}; choose a tile whose sizes"
+          " divide those axes, or scope the leaf out with `where`."
         )
     expanded = lead + body[: len(body) - r]
     reduce_axes = []

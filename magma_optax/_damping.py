@@ -17,11 +17,11 @@ from magma_optax import _scoping
 
 
 def damping(
-    coefficient: float,
-    *,
-    granularity: _blocks.Granularity = "tensor",
-    stack_axes: int = 0,
-    where: _scoping.Where = None,
+  coefficient: float,
+  *,
+  granularity: _blocks.Granularity = "tensor",
+  stack_axes: int | None = None,
+  where: _scoping.Where = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Divides each block of the updates by ``1 + coefficient * ||block||_2``.
 
@@ -29,7 +29,7 @@ def damping(
     coefficient: c >= 0; 0 leaves the updates unchanged.
     granularity: block granularity (``"tensor"``, ``"row"``, ``"column"``,
       ``"element"`` or a tile shape).
-    stack_axes: number of leading axes that index stacked layers.
+    stack_axes: number of leading axes that index stacked layers (``None``: 0).
     where: which leaves are damped (``None``: all floating leaves).
 
   Returns:
@@ -43,7 +43,7 @@ def damping(
     >>> updates, _ = tx.update({"w": jnp.ones((3, 4))}, tx.init(params), params)
   """
   _schedules.check_range(
-      "coefficient", coefficient, 0.0, float("inf"), low_open=False, high_open=True
+    "coefficient", coefficient, 0.0, float("inf"), low_open=False, high_open=True
   )
   granularity = _blocks.validate_granularity(granularity)
   stack_axes = _blocks.validate_stack_axes(stack_axes)
@@ -55,12 +55,12 @@ def damping(
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
     plans, treedef = _scoping.plan_leaves(
-        updates,
-        where=where,
-        labels=lambda path, leaf: "",
-        keep_prob=1.0,
-        granularity=granularity,
-        stack_axes=stack_axes,
+      updates,
+      where=where,
+      labels=lambda path, leaf: "",
+      keep_prob=1.0,
+      granularity=granularity,
+      stack_axes=stack_axes,
     )
     out = []
     for plan, u in zip(plans, treedef.flatten_up_to(updates), strict=True):

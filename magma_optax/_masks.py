@@ -1,4 +1,4 @@
-"""Random block masks: the SkipUpdate step of arXiv 2602.15322, and the draws Magma uses.
+"""Random block masks: SkipUpdate (arXiv 2602.15322) and the draws Magma uses.
 
 Every mask draw is a pure function of ``(key, step, leaf index, block index)``::
 
@@ -14,7 +14,8 @@ the same mask for the same key -- the guarantee replicas need to stay identical.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,17 +31,20 @@ KeyLike = Any  # int, a typed key from jax.random.key, or legacy uint32[2] key d
 def as_key(key: KeyLike) -> jax.Array:
   """A typed PRNG key from an int, a typed key or raw ``uint32[2]`` key data."""
   if isinstance(key, jax.Array) and jax.dtypes.issubdtype(
-      key.dtype, jax.dtypes.prng_key
+    key.dtype, jax.dtypes.prng_key
   ):
     return key
-  key_array = jnp.asarray(key)
+  try:
+    key_array = jnp.asarray(key)
+  except TypeError:
+    key_array = jnp.zeros([], jnp.float32)  # not a key: falls through to the error
   if jnp.issubdtype(key_array.dtype, jnp.integer) and key_array.ndim == 0:
     return jax.random.key(key_array)
   if key_array.dtype == jnp.uint32 and key_array.shape == (2,):
     return jax.random.wrap_key_data(key_array)
   raise ValueError(
-      "key must be an int, a typed key from jax.random.key, or uint32[2] key data;"
-      f" got {key!r}."
+    "key must be an int, a typed key from jax.random.key, or uint32[2] key data;"
+    f" got {key!r}."
   )
 
 
@@ -50,7 +54,7 @@ def leaf_key(key: jax.Array, count: jax.Array, leaf_index: int) -> jax.Array:
 
 
 def draw_block_masks(
-    key: jax.Array, count: jax.Array, plans: list[_scoping.LeafPlan]
+  key: jax.Array, count: jax.Array, plans: list[_scoping.LeafPlan]
 ) -> list[Any]:
   """Per-leaf boolean block masks ``z`` (``MaskedNode`` for unmasked leaves)."""
   masks = []
@@ -60,9 +64,7 @@ def draw_block_masks(
       continue
     p = _schedules.evaluate(plan.keep_prob, count)
     masks.append(
-        jax.random.bernoulli(
-            leaf_key(key, count, plan.index), p, plan.layout.block_shape
-        )
+      jax.random.bernoulli(leaf_key(key, count, plan.index), p, plan.layout.block_shape)
     )
   return masks
 
@@ -71,12 +73,12 @@ def scale_blocks(update: jax.Array, layout: _blocks.BlockLayout, scale: jax.Arra
   """``update * scale`` with per-block f32 ``scale``; keeps the update's dtype."""
   factor = layout.to_leaf(scale.astype(jnp.float32))
   return (update * factor.astype(jnp.promote_types(update.dtype, jnp.float32))).astype(
-      update.dtype
+    update.dtype
   )
 
 
 def active_fractions(
-    plans: list[_scoping.LeafPlan], masks: list[Any]
+  plans: list[_scoping.LeafPlan], masks: list[Any]
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Fraction of masked-scope entries whose update was kept: overall and per label."""
   kept: dict[str, Any] = {}
@@ -87,25 +89,23 @@ def active_fractions(
     n = jnp.sum(z, dtype=jnp.float32) * plan.layout.block_size
     kept[plan.label] = kept.get(plan.label, 0.0) + n
     total[plan.label] = total.get(plan.label, 0) + plan.layout.num_blocks * (
-        plan.layout.block_size
+      plan.layout.block_size
     )
   by_label = {
-      label: jnp.asarray(kept[label] / max(total[label], 1), jnp.float32)
-      for label in sorted(kept)
+    label: jnp.asarray(kept[label] / max(total[label], 1), jnp.float32)
+    for label in sorted(kept)
   }
-  overall = sum(kept.values(), jnp.zeros([], jnp.float32)) / max(
-      sum(total.values()), 1
-  )
+  overall = sum(kept.values(), jnp.zeros([], jnp.float32)) / max(sum(total.values()), 1)
   return jnp.asarray(overall, jnp.float32), by_label
 
 
 def init_block_masks(plans: list[_scoping.LeafPlan]) -> list[Any]:
   """All-kept masks for the state before the first step."""
   return [
-      optax.MaskedNode()
-      if plan.layout is None
-      else jnp.ones(plan.layout.block_shape, jnp.bool_)
-      for plan in plans
+    optax.MaskedNode()
+    if plan.layout is None
+    else jnp.ones(plan.layout.block_shape, jnp.bool_)
+    for plan in plans
   ]
 
 
@@ -129,14 +129,14 @@ class BernoulliMaskState(NamedTuple):
 
 
 def bernoulli_mask(
-    keep_prob: _schedules.ScalarOrSchedule | dict = 0.5,
-    *,
-    key: KeyLike = 0,
-    rescale: bool = True,
-    granularity: _blocks.Granularity = "tensor",
-    stack_axes: int = 0,
-    where: _scoping.Where = None,
-    labels: _scoping.Labels = None,
+  keep_prob: _schedules.ScalarOrSchedule | dict = 0.5,
+  *,
+  key: KeyLike = 0,
+  rescale: bool = True,
+  granularity: _blocks.Granularity = "tensor",
+  stack_axes: int | None = None,
+  where: _scoping.Where = None,
+  labels: _scoping.Labels = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Keeps each block of the incoming updates with probability ``keep_prob``.
 
@@ -160,8 +160,8 @@ def bernoulli_mask(
       unscaled.
     granularity: ``"tensor"``, ``"row"``, ``"column"``, ``"element"`` or a tile
       shape such as ``(3, 3)``; see :mod:`magma_optax._blocks`.
-    stack_axes: number of leading axes that index stacked (scanned) layers; each
-      slice is blocked separately.
+    stack_axes: number of leading axes that index stacked (scanned) layers
+      (``None``: 0); each slice is blocked separately.
     where: which leaves to mask: ``None`` (all floating leaves), a callable
       ``(path, leaf) -> bool`` such as :func:`attention_mlp_weights`, or a pytree
       of bools. Other leaves pass through unchanged.
@@ -185,6 +185,7 @@ def bernoulli_mask(
     Optimizers, arXiv 2602.15322 (2026), Sec. 3 (SkipUpdate).
   """
   keep_prob = _scoping.validate_keep_prob(keep_prob)
+  key = as_key(key)
   granularity = _blocks.validate_granularity(granularity)
   stack_axes = _blocks.validate_stack_axes(stack_axes)
   if not isinstance(rescale, bool):
@@ -192,12 +193,12 @@ def bernoulli_mask(
 
   def plan(tree):
     return _scoping.plan_leaves(
-        tree,
-        where=where,
-        labels=labels,
-        keep_prob=keep_prob,
-        granularity=granularity,
-        stack_axes=stack_axes,
+      tree,
+      where=where,
+      labels=labels,
+      keep_prob=keep_prob,
+      granularity=granularity,
+      stack_axes=stack_axes,
     )
 
   def init_fn(params):
@@ -205,11 +206,11 @@ def bernoulli_mask(
     masks = init_block_masks(plans)
     overall, by_label = active_fractions(plans, masks)
     return BernoulliMaskState(
-        count=jnp.zeros([], jnp.int32),
-        key=as_key(key),
-        mask=treedef.unflatten(masks),
-        active_fraction=overall,
-        active_fraction_by_label=by_label,
+      count=jnp.zeros([], jnp.int32),
+      key=key,
+      mask=treedef.unflatten(masks),
+      active_fraction=overall,
+      active_fraction_by_label=by_label,
     )
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -229,11 +230,11 @@ def bernoulli_mask(
       out.append(scale_blocks(u, plan_.layout, scale))
     overall, by_label = active_fractions(plans, masks)
     new_state = BernoulliMaskState(
-        count=optax.safe_increment(state.count),
-        key=state.key,
-        mask=treedef.unflatten(masks),
-        active_fraction=overall,
-        active_fraction_by_label=by_label,
+      count=optax.safe_increment(state.count),
+      key=state.key,
+      mask=treedef.unflatten(masks),
+      active_fraction=overall,
+      active_fraction_by_label=by_label,
     )
     return treedef.unflatten(out), new_state
 

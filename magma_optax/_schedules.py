@@ -9,13 +9,13 @@ mistakes). Traced values cannot be checked and are taken as given.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
-ScalarOrSchedule = Union[float, jax.Array, optax.Schedule]
+ScalarOrSchedule = float | jax.Array | optax.Schedule
 
 
 def is_schedule(value: Any) -> bool:
@@ -40,13 +40,13 @@ def _concrete(value: Any) -> float | None:
 
 
 def check_range(
-    name: str,
-    value: ScalarOrSchedule,
-    low: float,
-    high: float,
-    *,
-    low_open: bool,
-    high_open: bool,
+  name: str,
+  value: ScalarOrSchedule,
+  low: float,
+  high: float,
+  *,
+  low_open: bool,
+  high_open: bool,
 ) -> ScalarOrSchedule:
   """Raises ``ValueError`` unless ``value`` (or the schedule at 0) lies in the range."""
   probe = value
@@ -67,7 +67,7 @@ def check_range(
   hi_ok = x < high if high_open else x <= high
   if not (lo_ok and hi_ok):
     interval = (
-        ("(" if low_open else "[") + f"{low}, {high}" + (")" if high_open else "]")
+      ("(" if low_open else "[") + f"{low}, {high}" + (")" if high_open else "]")
     )
     raise ValueError(f"{name} must lie in {interval}; got {x}{what}.")
   return value

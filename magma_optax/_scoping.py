@@ -25,8 +25,9 @@ absent from the mapping are not masked, and a label that matches no leaf is an e
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
-from typing import Any, Union
+from collections.abc import Callable
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -36,8 +37,8 @@ from magma_optax import _blocks
 from magma_optax import _schedules
 
 KeyPath = tuple[Any, ...]
-Where = Union[None, Callable[[KeyPath, Any], bool], Any]
-Labels = Union[None, Callable[[KeyPath, Any], str], Any]
+Where = Callable[[KeyPath, Any], bool] | Any | None
+Labels = Callable[[KeyPath, Any], str] | Any | None
 
 # Module names, lower-cased. Whole path components are matched against the short
 # names; the long ones may appear inside a component (``SelfAttention_0``).
@@ -100,11 +101,11 @@ def transformer_labels(path: KeyPath, leaf: Any = None) -> str:
   if any(n in _OTHER_NAMES for n in names[:-1]):
     return "other"
   if any(s in n for n in names for s in _ATTENTION_SUBSTRINGS) or any(
-      n in _ATTENTION_NAMES for n in names[:-1]
+    n in _ATTENTION_NAMES for n in names[:-1]
   ):
     return "attention"
   if any(s in n for n in names for s in _MLP_SUBSTRINGS) or any(
-      n in _MLP_NAMES for n in names[:-1]
+    n in _MLP_NAMES for n in names[:-1]
   ):
     return "mlp"
   return "other"
@@ -149,8 +150,8 @@ def _per_leaf(spec: Any, paths_leaves, treedef, name: str) -> list[Any]:
     values = treedef.flatten_up_to(spec)
   except (ValueError, TypeError) as e:
     raise ValueError(
-        f"{name} must be a callable (path, leaf) -> value or a pytree with the"
-        f" parameters' structure; {e}"
+      f"{name} must be a callable (path, leaf) -> value or a pytree with the"
+      f" parameters' structure; {e}"
     ) from None
   return list(values)
 
@@ -167,13 +168,13 @@ def validate_keep_prob(keep_prob: Any) -> Any:
 
 
 def plan_leaves(
-    tree: Any,
-    *,
-    where: Where,
-    labels: Labels,
-    keep_prob: Any,
-    granularity: _blocks.Granularity,
-    stack_axes: int,
+  tree: Any,
+  *,
+  where: Where,
+  labels: Labels,
+  keep_prob: Any,
+  granularity: _blocks.Granularity,
+  stack_axes: int,
 ) -> tuple[list[LeafPlan], Any]:
   """Builds the per-leaf plan of a mask for ``tree`` (params or updates).
 
@@ -187,19 +188,19 @@ def plan_leaves(
   else:
     scoped = [bool(s) for s in _per_leaf(where, paths_leaves, treedef, "where")]
   label_list = _per_leaf(
-      transformer_labels if labels is None else labels, paths_leaves, treedef, "labels"
+    transformer_labels if labels is None else labels, paths_leaves, treedef, "labels"
   )
   by_label = isinstance(keep_prob, Mapping)
   if by_label:
     unknown = set(keep_prob) - set(label_list)
     if unknown:
       raise ValueError(
-          f"keep_prob names labels {sorted(unknown)} that match no parameter; the"
-          f" labels present are {sorted(set(label_list))}."
+        f"keep_prob names labels {sorted(unknown)} that match no parameter; the"
+        f" labels present are {sorted(set(label_list))}."
       )
   plans = []
   for i, ((_, x), ok, label) in enumerate(
-      zip(paths_leaves, scoped, label_list, strict=True)
+    zip(paths_leaves, scoped, label_list, strict=True)
   ):
     floating = hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
     if by_label:
@@ -226,8 +227,8 @@ def match_state(plans: list[LeafPlan], state_tree: Any) -> list[LeafPlan]:
   state_leaves = jax.tree.leaves(state_tree, is_leaf=is_masked)
   if len(state_leaves) != len(plans):
     raise ValueError(
-        f"the updates have {len(plans)} leaves but the mask state was built for"
-        f" {len(state_leaves)}; init the optimizer with the same parameter tree."
+      f"the updates have {len(plans)} leaves but the mask state was built for"
+      f" {len(state_leaves)}; init the optimizer with the same parameter tree."
     )
   out = []
   for plan, leaf in zip(plans, state_leaves, strict=True):
@@ -235,8 +236,8 @@ def match_state(plans: list[LeafPlan], state_tree: Any) -> list[LeafPlan]:
       out.append(dataclasses.replace(plan, layout=None, keep_prob=None))
     elif plan.layout is None:
       raise ValueError(
-          f"leaf {plan.index} had a mask at init but is unscoped now; `where` and"
-          " `labels` must depend only on the path, shape and dtype of a leaf."
+        f"leaf {plan.index} had a mask at init but is unscoped now; `where` and"
+        " `labels` must depend only on the path, shape and dtype of a leaf."
       )
     else:
       out.append(plan)

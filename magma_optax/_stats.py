@@ -50,14 +50,13 @@ def mask_stats(opt_state: Any) -> dict[str, Any]:
   for node in jax.tree.leaves(opt_state, is_leaf=is_mask_state):
     if is_mask_state(node):
       return {
-          "mask": node.mask,
-          "scores": getattr(node, "scores", None),
-          "active_fraction": node.active_fraction,
-          "active_fraction_by_label": node.active_fraction_by_label,
-          "step": node.count,
+        "mask": node.mask,
+        "scores": getattr(node, "scores", None),
+        "active_fraction": node.active_fraction,
+        "active_fraction_by_label": node.active_fraction_by_label,
+        "step": node.count,
       }
   raise ValueError(
-      "mask_stats found no mask state in opt_state; it reads the state of"
-      " magma, skip_update, bernoulli_mask or alignment_mask."
+    "mask_stats found no mask state in opt_state; it reads the state of"
+    " magma, skip_update, bernoulli_mask or alignment_mask."
   )
-

@@ -1,4 +1,4 @@
-"""The paper's methods as wrappers: the base optimizer runs densely, its update is masked.
+"""The paper's methods as wrappers: the base runs densely, its update is masked.
 
 ``magma(base)`` and ``skip_update(base)`` implement Algorithm 1 of arXiv 2602.15322:
 the base optimizer (Adam, RMSProp, SGD with momentum, Lion, Muon, ...) sees every
@@ -17,7 +17,8 @@ No second momentum buffer is allocated when the base already has one.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -67,20 +68,20 @@ def base_momentum(inner_state: Any, like: Any) -> list[Any]:
 
 
 def magma(
-    base: optax.GradientTransformation,
-    *,
-    tau: _schedules.ScalarOrSchedule = 2.0,
-    keep_prob: _schedules.ScalarOrSchedule | dict = 0.5,
-    key: _masks.KeyLike = 0,
-    score_decay: float = 0.9,
-    init_score: float = 0.5,
-    momentum_decay: float = 0.9,
-    momentum: str = "auto",
-    granularity: _blocks.Granularity = "tensor",
-    stack_axes: int = 0,
-    where: _scoping.Where = None,
-    labels: _scoping.Labels = None,
-    momentum_dtype: Any = None,
+  base: optax.GradientTransformation,
+  *,
+  tau: _schedules.ScalarOrSchedule = 2.0,
+  keep_prob: _schedules.ScalarOrSchedule | dict = 0.5,
+  key: _masks.KeyLike = 0,
+  score_decay: float = 0.9,
+  init_score: float = 0.5,
+  momentum_decay: float = 0.9,
+  momentum: str = "auto",
+  granularity: _blocks.Granularity = "tensor",
+  stack_axes: int | None = None,
+  where: _scoping.Where = None,
+  labels: _scoping.Labels = None,
+  momentum_dtype: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Magma (momentum-aligned gradient masking) around a base optimizer.
 
@@ -110,7 +111,8 @@ def magma(
       ``"own"`` (always keep a separate EMA).
     granularity: block granularity (``"tensor"``, ``"row"``, ``"column"``,
       ``"element"`` or a tile shape such as ``(3, 3)``).
-    stack_axes: number of leading axes that index stacked (scanned) layers.
+    stack_axes: number of leading axes that index stacked (scanned) layers
+      (``None``: 0); a static Python int.
     where: which leaves get Magma; others take the plain base update. The paper
       uses :func:`attention_mlp_weights`. Default ``None``: all floating leaves.
     labels: labels for per-label keep probabilities and statistics (default
@@ -139,17 +141,17 @@ def magma(
     raise ValueError(f"momentum must be 'auto' or 'own'; got {momentum!r}.")
   base = optax.with_extra_args_support(base)
   align = _alignment.make_alignment(
-      tau=tau,
-      keep_prob=keep_prob,
-      key=key,
-      score_decay=score_decay,
-      init_score=init_score,
-      momentum_decay=momentum_decay,
-      granularity=granularity,
-      stack_axes=stack_axes,
-      where=where,
-      labels=labels,
-      momentum_dtype=momentum_dtype,
+    tau=tau,
+    keep_prob=keep_prob,
+    key=key,
+    score_decay=score_decay,
+    init_score=init_score,
+    momentum_decay=momentum_decay,
+    granularity=granularity,
+    stack_axes=stack_axes,
+    where=where,
+    labels=labels,
+    momentum_dtype=momentum_dtype,
   )
 
   def init_fn(params):
@@ -171,15 +173,15 @@ def magma(
 
 
 def skip_update(
-    base: optax.GradientTransformation,
-    *,
-    keep_prob: _schedules.ScalarOrSchedule | dict = 0.5,
-    key: _masks.KeyLike = 0,
-    rescale: bool = True,
-    granularity: _blocks.Granularity = "tensor",
-    stack_axes: int = 0,
-    where: _scoping.Where = None,
-    labels: _scoping.Labels = None,
+  base: optax.GradientTransformation,
+  *,
+  keep_prob: _schedules.ScalarOrSchedule | dict = 0.5,
+  key: _masks.KeyLike = 0,
+  rescale: bool = True,
+  granularity: _blocks.Granularity = "tensor",
+  stack_axes: int | None = None,
+  where: _scoping.Where = None,
+  labels: _scoping.Labels = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""SkipUpdate: the base optimizer runs densely; each block's update is kept w.p. p.
 
@@ -197,7 +199,7 @@ def skip_update(
     key: PRNG key (int or ``jax.random.key``); keyword-only, default 0.
     rescale: divide kept updates by p (unbiased, the paper's SkipUpdate).
     granularity: block granularity.
-    stack_axes: number of leading axes that index stacked layers.
+    stack_axes: number of leading axes that index stacked layers (``None``: 0).
     where: which leaves are masked; others take the plain base update.
     labels: labels for per-label keep probabilities and statistics.
 
@@ -218,13 +220,13 @@ def skip_update(
   """
   base = optax.with_extra_args_support(base)
   mask = _masks.bernoulli_mask(
-      keep_prob,
-      key=key,
-      rescale=rescale,
-      granularity=granularity,
-      stack_axes=stack_axes,
-      where=where,
-      labels=labels,
+    keep_prob,
+    key=key,
+    rescale=rescale,
+    granularity=granularity,
+    stack_axes=stack_axes,
+    where=where,
+    labels=labels,
   )
 
   def init_fn(params):

@@ -1,0 +1,71 @@
+"""Block layouts against the independent numpy block ids of tests/algorithm1.py."""
+
+import numpy as np
+import pytest
+from algorithm1 import block_ids
+
+import magma_optax as magma
+
+CASES = [
+  ((), "tensor", 0),
+  ((5,), "tensor", 0),
+  ((5,), "row", 0),
+  ((5,), "column", 0),
+  ((5,), "element", 0),
+  ((4, 6), "tensor", 0),
+  ((4, 6), "row", 0),
+  ((4, 6), "column", 0),
+  ((4, 6), "element", 0),
+  ((4, 6), (2, 3), 0),
+  ((4, 6), (2,), 0),
+  ((6, 6), (3, 3), 0),
+  ((2, 9, 1), "row", 0),
+  ((2, 9, 1), "column", 0),
+  ((2, 2, 4, 4), (2, 2), 0),
+  ((3, 4, 6), "tensor", 1),
+  ((3, 4, 6), "row", 1),
+  ((3, 4, 6), "column", 1),
+  ((3, 4, 6), (2, 3), 1),
+  ((2, 3, 4, 6), "tensor", 2),
+  ((3, 5), (2, 2), 1),  # the body (5,) has too few axes for a 2-D tile: one block
+]
+
+
+@pytest.mark.parametrize("shape,granularity,stack_axes", CASES)
+def test_layout_matches_numpy_block_ids(shape, granularity, stack_axes):
+  layout = magma.block_layout(shape, granularity, stack_axes)
+  ids, n = block_ids(shape, granularity, stack_axes)
+  assert layout.num_blocks == n
+  assert layout.block_size * n == int(np.prod(shape))
+  x = np.random.default_rng(0).normal(size=shape).astype(np.float32)
+  expected = np.bincount(ids.ravel(), weights=x.ravel(), minlength=n)
+  np.testing.assert_allclose(
+    np.asarray(layout.block_sum(x)).ravel(), expected, rtol=1e-5, atol=1e-5
+  )
+  values = np.arange(n, dtype=np.float32).reshape(layout.block_shape)
+  np.testing.assert_array_equal(np.asarray(layout.to_leaf(values)), ids)
+
+
+def test_stack_axes_tensor_is_one_block_per_layer():
+  layout = magma.block_layout((4, 3, 5), "tensor", stack_axes=1)
+  assert layout.block_shape == (4,)
+
+
+@pytest.mark.parametrize("bad", ["rows", "", (), (0, 2), (2.0, 2), [True], None, 3])
+def test_bad_granularity_raises(bad):
+  with pytest.raises(ValueError, match="granularity"):
+    magma.bernoulli_mask(0.5, granularity=bad)
+
+
+def test_tile_not_dividing_raises_at_init():
+  tx = magma.bernoulli_mask(0.5, granularity=(4, 4))
+  with pytest.raises(ValueError, match="does not divide"):
+    tx.init({"w": np.zeros((6, 8), np.float32)})
+
+
+def test_stack_axes_beyond_rank_raises():
+  tx = magma.bernoulli_mask(0.5, stack_axes=2)
+  with pytest.raises(ValueError, match="stack_axes"):
+    tx.init({"w": np.zeros((6,), np.float32)})
+  with pytest.raises(ValueError, match="stack_axes"):
+    magma.bernoulli_mask(0.5, stack_axes=-1)

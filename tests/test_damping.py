@@ -1,0 +1,42 @@
+"""damping: u_b / (1 + c ||u_b||) per block, against numpy."""
+
+import algorithm1 as ref
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import magma_optax as magma
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row", "column", (2, 3)])
+def test_damping_matches_numpy(granularity):
+  u = np.random.default_rng(0).normal(size=(4, 6)).astype(np.float32)
+  tx = magma.damping(0.7, granularity=granularity)
+  out, _ = jax.jit(tx.update)({"w": jnp.asarray(u)}, tx.init({"w": u}))
+  ids, n = ref.block_ids(u.shape, granularity)
+  norm = np.sqrt(ref.block_sums(u * u, ids, n))
+  np.testing.assert_allclose(out["w"], u / (1 + 0.7 * norm)[ids], rtol=1e-6)
+
+
+def test_zero_coefficient_is_identity_and_where_scopes():
+  params = {"a": jnp.ones((3, 3)), "b": jnp.ones((2,))}
+  out, _ = magma.damping(0.0).update(params, optax.EmptyState())
+  jax.tree.map(np.testing.assert_array_equal, out, params)
+  tx = magma.damping(1.0, where=lambda path, leaf: leaf.ndim == 2)
+  out, _ = tx.update(params, tx.init(params))
+  np.testing.assert_allclose(out["a"], 1 / (1 + 3.0))
+  np.testing.assert_array_equal(out["b"], 1.0)
+
+
+def test_damping_in_a_chain_after_adam():
+  params = {"w": jnp.ones((3, 3))}
+  tx = optax.chain(optax.adam(1e-3), magma.damping(0.1))
+  updates, _ = tx.update(params, tx.init(params), params)
+  assert updates["w"].shape == (3, 3)
+
+
+def test_bad_coefficient():
+  with pytest.raises(ValueError, match="coefficient"):
+    magma.damping(-1.0)

@@ -1,0 +1,165 @@
+"""bernoulli_mask: draws, statistics, keys, schedules, labels, inject_hyperparams."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import magma_optax as magma
+
+N_STEPS = 400
+
+
+def _masks_over_steps(tx, params, steps=N_STEPS):
+  """Runs ``steps`` updates in one compiled scan; returns stacked masks and updates."""
+  ones = jax.tree.map(jnp.ones_like, params)
+
+  @jax.jit
+  def run(state):
+    def body(state, _):
+      updates, state = tx.update(ones, state, params)
+      return state, (magma.mask_stats(state)["mask"], updates)
+
+    return jax.lax.scan(body, state, None, length=steps)
+
+  _, (masks, updates) = run(tx.init(params))
+  return masks, updates
+
+
+def test_masks_follow_the_documented_key_derivation():
+  params = {"a": jnp.zeros((3, 4)), "b": jnp.zeros((5,))}
+  tx = magma.bernoulli_mask(0.3, key=11, granularity="row")
+  state = tx.init(params)
+  ones = jax.tree.map(jnp.ones_like, params)
+  key = jax.random.key(11)
+  for step in range(3):
+    _, state = tx.update(ones, state)
+    leaves = jax.tree.leaves(state.mask)
+    for index, (leaf, shape) in enumerate(zip(leaves, [(3,), ()], strict=True)):
+      k = jax.random.fold_in(jax.random.fold_in(key, step), index)
+      np.testing.assert_array_equal(leaf, jax.random.bernoulli(k, 0.3, shape))
+
+
+@pytest.mark.parametrize("p", [0.25, 0.5, 0.9])
+def test_keep_fraction_and_unbiasedness(p):
+  params = {"w": jnp.zeros((8, 8))}
+  tx = magma.bernoulli_mask(p, key=1, granularity="row")
+  masks, updates = _masks_over_steps(tx, params)
+  z = np.asarray(masks["w"], np.float64)  # (steps, 8)
+  n = z.size
+  # Binomial mean: 5 standard errors (false failure rate < 1e-6).
+  assert abs(z.mean() - p) < 5 * np.sqrt(p * (1 - p) / n)
+  # Kept blocks are scaled by 1/p, so the mean update is the incoming one (1.0).
+  u = np.asarray(updates["w"], np.float64)
+  np.testing.assert_allclose(np.unique(u), sorted({0.0, 1.0 / p}), rtol=1e-6)
+  assert abs(u.mean() - 1.0) < 5 * np.sqrt((1 - p) / p / n)
+
+
+def test_blocks_and_steps_are_independent():
+  params = {"w": jnp.zeros((16,))}
+  masks, _ = _masks_over_steps(
+    magma.bernoulli_mask(0.5, key=2, granularity="element"), params
+  )
+  z = np.asarray(masks["w"], np.float64)  # (steps, 16)
+  corr = np.corrcoef(z.T)  # across blocks
+  off_diag = corr[~np.eye(16, dtype=bool)]
+  # Independent draws: |corr| ~ N(0, 1/steps); 5 sigma bound on every pair.
+  assert np.abs(off_diag).max() < 5 / np.sqrt(N_STEPS)
+  lag1 = np.corrcoef(z[:-1].ravel(), z[1:].ravel())[0, 1]  # across steps
+  assert abs(lag1) < 5 / np.sqrt(z.size)
+
+
+def test_keys_same_and_different():
+  params = {"w": jnp.zeros((32,))}
+  tx = lambda key: magma.bernoulli_mask(0.5, key=key, granularity="element")
+  a, _ = _masks_over_steps(tx(0), params, steps=20)
+  b, _ = _masks_over_steps(tx(0), params, steps=20)
+  c, _ = _masks_over_steps(tx(1), params, steps=20)
+  d, _ = _masks_over_steps(tx(jax.random.key(1)), params, steps=20)
+  np.testing.assert_array_equal(a["w"], b["w"])
+  assert (np.asarray(a["w"]) != np.asarray(c["w"])).mean() > 0.3
+  np.testing.assert_array_equal(c["w"], d["w"])  # int and typed key agree
+
+
+def test_rescale_false_keeps_kept_blocks_unscaled():
+  params = {"w": jnp.zeros((4, 4))}
+  _, updates = _masks_over_steps(magma.bernoulli_mask(0.5, rescale=False), params, 8)
+  assert set(np.unique(np.asarray(updates["w"]))) <= {0.0, 1.0}
+
+
+def test_per_label_keep_probabilities_and_stats():
+  params = {
+    "layer": {
+      "attn": {"q_proj": jnp.zeros((4, 4))},
+      "mlp": {"up": jnp.zeros((4, 4))},
+      "norm": {"scale": jnp.zeros((4,))},
+    },
+    "embed": jnp.zeros((6, 4)),
+  }
+  probs = {"attention": 0.6, "mlp": 0.8, "other": 0.9}
+  tx = magma.bernoulli_mask(probs, key=3, granularity="element")
+  ones = jax.tree.map(jnp.ones_like, params)
+
+  @jax.jit
+  def run(state):
+    def body(state, _):
+      _, state = tx.update(ones, state, params)
+      return state, magma.mask_stats(state)["active_fraction_by_label"]
+
+    return jax.lax.scan(body, state, None, length=200)
+
+  _, fractions = run(tx.init(params))
+  sizes = {"attention": 16, "mlp": 16, "other": 28}
+  for label, p in probs.items():
+    n = 200 * sizes[label]
+    assert abs(float(np.mean(fractions[label])) - p) < 5 * np.sqrt(p * (1 - p) / n)
+
+
+def test_label_mapping_scopes_and_rejects_unknown_labels():
+  params = {"attn": {"q": jnp.zeros((4, 4))}, "head": jnp.zeros((4, 2))}
+  tx = magma.bernoulli_mask({"attention": 0.5})
+  state = tx.init(params)
+  assert isinstance(state.mask["head"], optax.MaskedNode)
+  with pytest.raises(ValueError, match="atention"):
+    magma.bernoulli_mask({"atention": 0.5}).init(params)
+
+
+def test_keep_prob_schedule():
+  params = {"w": jnp.zeros((64,))}
+  schedule = optax.linear_schedule(1.0, 0.2, transition_steps=10)
+  masks, _ = _masks_over_steps(
+    magma.bernoulli_mask(schedule, key=4, granularity="element"), params, steps=30
+  )
+  z = np.asarray(masks["w"], np.float64)
+  assert z[0].all()  # p = 1 at step 0
+  late = z[10:].mean()
+  assert abs(late - 0.2) < 5 * np.sqrt(0.2 * 0.8 / z[10:].size)
+
+
+def test_inject_hyperparams_over_the_factories():
+  params = {"w": jnp.zeros((64,))}
+  g = {"w": jnp.ones((64,))}
+  tx = optax.inject_hyperparams(magma.bernoulli_mask)(
+    keep_prob=0.5, granularity="element"
+  )
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  _, state = step(g, state, params)
+  state.hyperparams["keep_prob"] = jnp.asarray(1.0, jnp.float32)
+  for _ in range(3):
+    updates, state = step(g, state, params)
+    np.testing.assert_array_equal(updates["w"], 1.0)
+  assert step._cache_size() == 1
+  assert float(magma.mask_stats(state)["active_fraction"]) == 1.0
+  # Wrappers too (the base optimizer is passed through statically).
+  tx = optax.inject_hyperparams(magma.magma)(optax.adam(1e-2), tau=2.0, keep_prob=0.5)
+  state = tx.init(params)
+  _, state = jax.jit(tx.update)(g, state, params)
+  state.hyperparams["tau"] = jnp.asarray(0.5, jnp.float32)
+  _, state = jax.jit(tx.update)(g, state, params)
+  # cos(mu, g) = 1 for a constant gradient: s_2 = 0.81*0.5 + 0.09*sig(0.5) + 0.1*sig(2)
+  expected = 0.81 * 0.5 + 0.09 * jax.nn.sigmoid(0.5) + 0.1 * jax.nn.sigmoid(2.0)
+  np.testing.assert_allclose(
+    magma.mask_stats(state)["scores"]["w"], expected, rtol=1e-6
+  )
