@@ -90,8 +90,10 @@ class LlamaConfig:
         f"n_heads must divide dim into an even head size; got dim={self.dim},"
         f" n_heads={self.n_heads}."
       )
-    if self.rope_theta <= 0 or self.norm_eps <= 0 or self.init_std <= 0:
-      raise ValueError("rope_theta, norm_eps and init_std must be > 0.")
+    for name in ("rope_theta", "norm_eps", "init_std"):
+      value = getattr(self, name)
+      if not value > 0:
+        raise ValueError(f"{name} must be > 0; got {value!r}.")
 
   @classmethod
   def tiny(cls, **overrides: Any) -> LlamaConfig:
@@ -243,7 +245,7 @@ def init_params(config: LlamaConfig, seed: int = 0) -> tuple[nnx.GraphDef, Param
     indices are int keys) for optax; ``apply(graphdef, params, tokens)`` runs it.
   """
   graphdef, state = nnx.split(Llama(config, rngs=nnx.Rngs(seed)))
-  return graphdef, state.to_pure_dict()
+  return graphdef, nnx.to_pure_dict(state)
 
 
 def count_params(params: Params) -> int:
