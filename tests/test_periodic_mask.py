@@ -1,0 +1,349 @@
+"""Tests for magma_optax.periodic_mask and the sparsity schedules (numpy references)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import magma_optax as magma
+
+SHAPES = [(1,), (5,), (4, 5), (2, 9, 1), (2, 2, 4, 4)]
+# One sparsity per step, so a single compiled step covers all of them.
+TARGETS = np.array([0.0, 0.3, 0.5, 0.9, 0.25, 0.75, 0.1, 0.6], np.float32)
+
+
+def np_keep(score, active, sparsity):
+  """Reference exact top-k: score desc, then active first, then low flat index."""
+  s = np.asarray(score, np.float32).ravel()
+  a = np.asarray(active).ravel()
+  n = s.size
+  keep = n - int(np.round(np.float32(sparsity) * n))
+  order = np.lexsort((np.arange(n), ~a, -s))
+  out = np.zeros(n, bool)
+  out[order[:keep]] = True
+  return out.reshape(np.shape(score))
+
+
+def np_n_m(score, active, n, m, axis):
+  s = np.moveaxis(np.asarray(score, np.float32), axis, -1)
+  a = np.moveaxis(np.asarray(active), axis, -1)
+  out = np.zeros(s.shape, bool)
+  for idx in np.ndindex(*s.shape[:-1]):
+    for g in range(s.shape[-1] // m):
+      sl = slice(g * m, (g + 1) * m)
+      order = np.lexsort((np.arange(m), ~a[idx][sl], -s[idx][sl]))
+      block = np.zeros(m, bool)
+      block[order[:n]] = True
+      out[idx][sl] = block
+  return np.moveaxis(out, -1, axis)
+
+
+def random_tree(seed, shapes=SHAPES):
+  keys = jax.random.split(jax.random.key(seed), len(shapes))
+  return {
+    f"p{i}": jax.random.normal(k, s) for i, (k, s) in enumerate(zip(keys, shapes))
+  }
+
+
+@pytest.fixture(scope="module")
+def per_leaf_run():
+  """Runs periodic_mask(sgd) with every=1 and a per-step target; records everything."""
+  schedule = lambda count: jnp.asarray(TARGETS)[jnp.minimum(count, len(TARGETS) - 1)]
+  tx = magma.periodic_mask(optax.sgd(0.1), sparsity=schedule, every=1)
+  params = random_tree(0)
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  records = []
+  for t in range(len(TARGETS)):
+    grads = random_tree(100 + t)
+    old_mask = state.mask
+    updates, state = step(grads, state, params)
+    new_params = optax.apply_updates(params, updates)
+    records.append((params, grads, old_mask, state, updates, new_params))
+    params = new_params
+  return records, step
+
+
+def test_exact_sparsity_every_shape_every_step(per_leaf_run):
+  records, _ = per_leaf_run
+  for t, (params, grads, old_mask, state, _, new_params) in enumerate(records):
+    for name in params:
+      p, g = np.asarray(params[name]), np.asarray(grads[name])
+      score = np.abs(p).astype(np.float32) * np.abs(g).astype(np.float32)
+      want = np_keep(score, np.asarray(old_mask[name]), TARGETS[t])
+      np.testing.assert_array_equal(np.asarray(state.mask[name]), want)
+      # Pruned weights are exactly zero after optax.apply_updates.
+      assert np.all(np.asarray(new_params[name])[~want] == 0.0)
+    assert float(state.target_sparsity) == pytest.approx(TARGETS[t])
+
+
+def test_update_identity_is_exact(per_leaf_run):
+  records, _ = per_leaf_run
+  for params, _, _, state, updates, _ in records:
+    for name in params:
+      p, u = np.asarray(params[name]), np.asarray(updates[name])
+      m = np.asarray(state.mask[name])
+      np.testing.assert_array_equal(p + u, m * (p + u))
+
+
+def test_no_recompilation(per_leaf_run):
+  _, step = per_leaf_run
+  assert step._cache_size() == 1
+
+
+def test_reported_sparsity(per_leaf_run):
+  records, _ = per_leaf_run
+  _, _, _, state, _, _ = records[-1]
+  masks = [np.asarray(m) for m in jax.tree.leaves(state.mask)]
+  pruned = sum((~m).sum() for m in masks) / sum(m.size for m in masks)
+  assert float(state.sparsity) == pytest.approx(pruned, abs=1e-6)
+
+
+def test_ties_keep_active_then_low_index():
+  params = {"w": jnp.ones((2, 4))}
+  tx = magma.periodic_mask(
+    optax.sgd(0.0), sparsity=0.5, every=1, importance="magnitude"
+  )
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  _, state = step(params, state, params)
+  # All scores tie, all active: the four lowest flat indices stay.
+  np.testing.assert_array_equal(
+    np.asarray(state.mask["w"]).ravel(), [1, 1, 1, 1, 0, 0, 0, 0]
+  )
+  # Ties with a current mask: active entries win over inactive ones.
+  old = jnp.array([[False, True, False, True], [False, True, False, True]])
+  state = state._replace(mask={"w": old})
+  _, state = step(params, state, params)
+  np.testing.assert_array_equal(np.asarray(state.mask["w"]), np.asarray(old))
+
+
+def test_nan_scores_rank_last():
+  params = {"w": jnp.array([1.0, jnp.nan, 3.0, 2.0])}
+  tx = magma.periodic_mask(
+    optax.sgd(0.0), sparsity=0.5, every=1, importance="magnitude"
+  )
+  _, state = tx.update(params, tx.init(params), params)
+  np.testing.assert_array_equal(np.asarray(state.mask["w"]), [0, 0, 1, 1])
+
+
+def test_global_ranking_matches_numpy():
+  params = random_tree(1, [(3, 4), (10,)])
+  grads = random_tree(2, [(3, 4), (10,)])
+  tx = magma.periodic_mask(optax.sgd(0.1), sparsity=0.6, every=1, ranking="global")
+  _, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  score = np.concatenate(
+      [np.abs(np.asarray(params[k])).ravel() * np.abs(np.asarray(grads[k])).ravel()
+       for k in ("p0", "p1")]
+  )  # fmt: skip
+  want = np_keep(score, np.ones(score.size, bool), 0.6)
+  got = np.concatenate([np.asarray(state.mask[k]).ravel() for k in ("p0", "p1")])
+  np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("axis", [-1, 0])
+def test_n_m_structure(axis):
+  params = random_tree(3, [(4, 8)])
+  grads = random_tree(4, [(4, 8)])
+  tx = magma.periodic_mask(optax.sgd(0.1), structure=(2, 4), every=1, axis=axis)
+  updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  m = np.asarray(state.mask["p0"])
+  score = np.abs(np.asarray(params["p0"])) * np.abs(np.asarray(grads["p0"]))
+  np.testing.assert_array_equal(m, np_n_m(score, np.ones_like(m), 2, 4, axis))
+  groups = np.moveaxis(m, axis, -1).reshape(-1, 4)
+  assert np.all(groups.sum(-1) == 2)
+  new = np.asarray(optax.apply_updates(params, updates)["p0"])
+  assert np.all(np.moveaxis(new != 0, axis, -1).reshape(-1, 4).sum(-1) <= 2)
+  assert float(state.sparsity) == pytest.approx(0.5)
+
+
+def test_n_m_ties_are_deterministic():
+  params = {"w": jnp.ones((2, 8))}
+  tx = magma.periodic_mask(optax.sgd(0.0), structure=(1, 4), every=1)
+  _, state = tx.update(params, tx.init(params), params)
+  np.testing.assert_array_equal(
+    np.asarray(state.mask["w"]), [[1, 0, 0, 0, 1, 0, 0, 0]] * 2
+  )
+
+
+def test_weights_stay_zero_over_many_steps():
+  params = random_tree(5, [(6, 8), (8,)])
+  tx = magma.periodic_mask(
+    optax.adam(0.05), sparsity=0.7, every=10, importance="magnitude"
+  )
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  for t in range(25):
+    grads = random_tree(200 + t, [(6, 8), (8,)])
+    updates, state = step(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    for k in params:
+      m = np.asarray(state.mask[k])
+      assert np.all(np.asarray(params[k])[~m] == 0.0), (t, k)
+      assert (~m).sum() == round(0.7 * m.size)
+  assert step._cache_size() == 1
+
+
+def test_regrown_weights_have_zeroed_moments():
+  b1, b2 = 0.9, 0.999
+  shape = (4, 6)
+  tx = magma.periodic_mask(
+    optax.adam(0.01, b1=b1, b2=b2),
+    sparsity=0.5,
+    every=3,
+    importance=lambda p, g: jnp.abs(g),  # gradient-based growth: regrowth happens
+  )
+  params = random_tree(6, [shape])
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  seen_regrowth = False
+  for t in range(9):
+    grads = random_tree(300 + t, [shape])
+    old_mask = np.asarray(state.mask["p0"])
+    mu0 = np.asarray(state.inner_state[0].mu["p0"])
+    nu0 = np.asarray(state.inner_state[0].nu["p0"])
+    updates, state = step(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    g = np.asarray(grads["p0"])
+    mu1 = np.asarray(state.inner_state[0].mu["p0"])
+    nu1 = np.asarray(state.inner_state[0].nu["p0"])
+    new_mask = np.asarray(state.mask["p0"])
+    regrown = new_mask & ~old_mask
+    if t % 3 == 0:
+      assert int(state.num_regrown) == regrown.sum()
+    else:
+      np.testing.assert_array_equal(new_mask, old_mask)
+    # Regrown entries start from zero moments; every other entry keeps its history.
+    want_mu = np.where(regrown, 0.0, mu0) * b1 + (1 - b1) * g
+    want_nu = np.where(regrown, 0.0, nu0) * b2 + (1 - b2) * g * g
+    np.testing.assert_allclose(mu1, want_mu, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(nu1, want_nu, rtol=1e-6, atol=1e-8)
+    seen_regrowth |= bool(regrown.any())
+    assert np.all(np.asarray(params["p0"])[~new_mask] == 0.0)
+  assert seen_regrowth
+
+
+def test_sparsity_zero_equals_inner_exactly():
+  params = random_tree(7, [(3, 5)])
+  grads = random_tree(8, [(3, 5)])
+  tx = magma.periodic_mask(optax.adam(1e-2), sparsity=0.0, every=1)
+  ref = optax.adam(1e-2)
+  s, r = tx.init(params), ref.init(params)
+  step, ref_step = jax.jit(tx.update), jax.jit(ref.update)
+  for _ in range(3):
+    u, s = step(grads, s, params)
+    v, r = ref_step(grads, r, params)
+    np.testing.assert_array_equal(np.asarray(u["p0"]), np.asarray(v["p0"]))
+
+
+def test_param_mask_reaches_inner_and_where_scopes():
+  def echo_mask():
+    def update(updates, state, params=None, *, param_mask=None, **extra):
+      out = jax.tree.map(
+        lambda u, m: u if isinstance(m, optax.MaskedNode) else m.astype(u.dtype),
+        updates,
+        param_mask,
+        is_leaf=lambda x: isinstance(x, optax.MaskedNode),
+      )
+      return out, state
+
+    return optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update)
+
+  params = {"w": jnp.arange(1.0, 9.0), "bias": jnp.ones(3)}
+  tx = magma.periodic_mask(
+    echo_mask(),
+    sparsity=0.5,
+    every=1,
+    importance="magnitude",
+    where=lambda path, x: x.size > 3,
+  )
+  grads = jax.tree.map(lambda x: 2 * jnp.ones_like(x), params)
+  updates, state = tx.update(grads, tx.init(params), params)
+  assert isinstance(state.mask["bias"], optax.MaskedNode)
+  np.testing.assert_array_equal(np.asarray(updates["bias"]), [2.0, 2.0, 2.0])
+  want_mask = np.arange(8) >= 4
+  np.testing.assert_array_equal(np.asarray(state.mask["w"]), want_mask)
+  np.testing.assert_array_equal(
+    np.asarray(updates["w"]), np.where(want_mask, 1.0, -np.arange(1.0, 9.0))
+  )
+  got = optax.tree_utils.tree_get(state, "PeriodicMaskState")
+  assert got is state
+
+
+def test_refresh_window_start_every_end():
+  tx = magma.periodic_mask(
+    optax.sgd(0.0), sparsity=0.5, every=3, start=2, end=8, schedule="linear"
+  )
+  params = {"w": jnp.arange(1.0, 41.0)}
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  targets = []
+  for _ in range(14):
+    _, state = step(params, state, params)
+    targets.append(float(state.target_sparsity))
+  ramp = magma.linear_sparsity_schedule(0.5, begin_step=2, end_step=8)
+  want, current = [], 0.0
+  for t in range(14):
+    if t >= 2 and (t - 2) % 3 == 0 and t <= 8:
+      current = float(ramp(t))
+    want.append(current)
+  np.testing.assert_allclose(targets, want, atol=1e-7)
+  assert targets[-1] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("power", [1.0, 3.0])
+def test_polynomial_schedule_matches_formula(power):
+  sched = magma.polynomial_sparsity_schedule(
+    0.8, begin_step=10, end_step=50, initial_sparsity=0.1, power=power
+  )
+  for t in [0, 10, 20, 30, 49, 50, 100]:
+    frac = min(max(t - 10, 0), 40) / 40
+    want = 0.8 + (0.1 - 0.8) * (1 - frac) ** power
+    assert float(jax.jit(sched)(t)) == pytest.approx(want, abs=1e-6)
+
+
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
+    (dict(sparsity=-0.1, every=1), "sparsity"),
+    (dict(sparsity=1.0, every=1), "sparsity"),
+    (dict(sparsity=0.5, every=0), "every"),
+    (dict(sparsity=0.5, every=1.5), "every"),
+    (dict(structure=(5, 4), every=1), "structure"),
+    (dict(structure=(0, 4), every=1), "structure"),
+    (dict(structure=(2, 4), sparsity=0.3, every=1), "contradicts"),
+    (dict(sparsity=0.5, every=1, start=-1), "start"),
+    (dict(sparsity=0.5, every=1, start=5, end=2), "end"),
+    (dict(sparsity=0.5, every=1, importance="random"), "importance"),
+    (dict(sparsity=0.5, every=1, ranking="layer"), "ranking"),
+    (dict(sparsity=0.5, every=1, schedule="cosine"), "schedule"),
+    (dict(sparsity=0.5, every=1, schedule="cubic"), "end"),
+    (dict(every=1), "sparsity is required"),
+  ],
+)
+def test_bad_arguments_raise(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    magma.periodic_mask(optax.sgd(0.1), **kwargs)
+
+
+def test_bad_schedule_arguments_raise():
+  with pytest.raises(ValueError, match="final_sparsity"):
+    magma.polynomial_sparsity_schedule(1.0, begin_step=0, end_step=10)
+  with pytest.raises(ValueError, match="end_step"):
+    magma.linear_sparsity_schedule(0.5, begin_step=10, end_step=10)
+
+
+def test_bad_inputs_at_init_and_update():
+  tx = magma.periodic_mask(optax.sgd(0.1), structure=(2, 4), every=1)
+  with pytest.raises(ValueError, match="multiple of 4"):
+    tx.init({"w": jnp.ones((3, 5))})
+  tx = magma.periodic_mask(optax.sgd(0.1), sparsity=0.5, every=1)
+  params = {"w": jnp.ones(4)}
+  with pytest.raises(ValueError, match="needs the parameters"):
+    tx.update(params, tx.init(params))
+  tx = magma.periodic_mask(
+    optax.sgd(0.1), sparsity=0.5, every=1, importance=lambda p, g: jnp.ones(2)
+  )
+  with pytest.raises(ValueError, match="one score per entry"):
+    tx.update(params, tx.init(params), params)
