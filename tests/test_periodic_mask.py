@@ -42,7 +42,8 @@ def np_n_m(score, active, n, m, axis):
 def random_tree(seed, shapes=SHAPES):
   keys = jax.random.split(jax.random.key(seed), len(shapes))
   return {
-    f"p{i}": jax.random.normal(k, s) for i, (k, s) in enumerate(zip(keys, shapes))
+    f"p{i}": jax.random.normal(k, s)
+    for i, (k, s) in enumerate(zip(keys, shapes, strict=True))
   }
 
 
