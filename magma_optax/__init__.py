@@ -5,6 +5,8 @@ Adaptive Optimizers, arXiv 2602.15322, 2026), block masks, and sparse training.
 """
 
 from magma_optax import sharding  # public submodule: magma_optax.sharding
+from magma_optax._adam_magma import AdamMagmaState
+from magma_optax._adam_magma import adam_magma
 from magma_optax._alignment import AlignmentMaskState
 from magma_optax._alignment import alignment_mask
 from magma_optax._blocks import BlockLayout
@@ -32,6 +34,7 @@ from magma_optax._wrappers import skip_update
 __version__ = "0.1.0"
 
 __all__ = (
+    "AdamMagmaState",
     "AlignmentMaskState",
     "BernoulliMaskState",
     "BlockLayout",
@@ -39,6 +42,7 @@ __all__ = (
     "MaskedWeightDecayState",
     "PeriodicMaskState",
     "SparseState",
+    "adam_magma",
     "alignment_mask",
     "attention_mlp_weights",
     "bernoulli_mask",

@@ -1,0 +1,286 @@
+"""Adam + Magma as one fused optimizer: the same updates as ``magma(optax.adam(...))``.
+
+``adam_magma`` computes, per leaf and in one kernel call (:func:`kernels.masked_adam`),
+Adam's moments, Magma's alignment sums and the masked, scaled update, instead of
+running ``optax.adam`` and then a second pass for the cosine and the mask. The masks
+come from the same functions as the wrapper's (``_scoping.plan_leaves``,
+``_masks.draw_block_masks``: one draw per (key, step, leaf, block)), so for the same
+key and hyperparameters the updates equal ``magma.magma(optax.adam(...))``
+(``optax.adamw`` with ``weight_decay``) up to float32 rounding of the reductions.
+
+The state keeps Adam's ``count``, ``mu`` and ``nu`` (found by name, as for
+``optax.adam``) and an :class:`AlignmentMaskState` (scores, last mask, active
+fractions), so :func:`magma_optax.mask_stats` reads it unchanged.
+
+Extra arg ``param_mask`` (a pytree of bools like the params, ``None`` leaves allowed):
+entries where it is False do not exist -- their moments are frozen, their update is 0
+and they are left out of the cosine -- the convention of ``magma.periodic_mask``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from magma_optax import _alignment
+from magma_optax import _blocks
+from magma_optax import _masks
+from magma_optax import _schedules
+from magma_optax import _scoping
+from magma_optax import kernels
+
+
+class AdamMagmaState(NamedTuple):
+  """State of :func:`adam_magma`.
+
+  Attributes:
+    count: int32 scalar, number of updates so far (Adam's bias-correction step).
+    mu: pytree like the params, Adam's first moment (``mu_dtype`` or the params').
+    nu: pytree like the params, Adam's second moment.
+    mask_state: :class:`AlignmentMaskState`: per-block scores s_t, the last masks
+      z_t, active fractions (``momentum`` is all ``MaskedNode``: ``mu`` serves).
+  """
+
+  count: jax.Array
+  mu: Any
+  nu: Any
+  mask_state: _alignment.AlignmentMaskState
+
+
+def _check_unit(name: str, value: float) -> float:
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    raise ValueError(f"{name} must be a float in [0, 1); got {value!r}.")
+  return float(_schedules.check_decay(name, value))
+
+
+def _check_nonnegative(name: str, value: Any) -> Any:
+  return _schedules.check_range(
+    name, value, 0.0, float("inf"), low_open=False, high_open=True
+  )
+
+
+def adam_magma(
+  learning_rate: _schedules.ScalarOrSchedule,
+  *,
+  b1: float = 0.9,
+  b2: float = 0.999,
+  eps: float = 1e-8,
+  eps_root: float = 0.0,
+  weight_decay: _schedules.ScalarOrSchedule = 0.0,
+  mu_dtype: Any = None,
+  tau: _schedules.ScalarOrSchedule = 2.0,
+  keep_prob: _schedules.ScalarOrSchedule | dict = 0.5,
+  key: _masks.KeyLike = 0,
+  score_decay: float = 0.9,
+  init_score: float = 0.5,
+  granularity: _blocks.Granularity = "tensor",
+  stack_axes: int = 0,
+  where: _scoping.Where = None,
+  labels: _scoping.Labels = None,
+  implementation: str | Sequence[str] | None = None,
+  interpret: bool = False,
+  block_sizes: kernels.BlockSizes | None = None,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Adam (or AdamW) with Magma masking, fused: one kernel call per leaf.
+
+  Per block b, with gradient g_t (Algorithm 1 of the paper, dense moments)::
+
+      m_t = b1 m_{t-1} + (1 - b1) g_t;      v_t = b2 v_{t-1} + (1 - b2) g_t^2
+      Delta_t = -lr (m_t / (1 - b1^t)) / (sqrt(v_t / (1 - b2^t) + eps_root) + eps)
+                - lr weight_decay theta_{t-1}
+      s_t = score_decay s_{t-1} + (1 - score_decay) sigmoid(cos(m_t, g_t) / tau)
+      z_t ~ Bernoulli(keep_prob);           u_t = s_t z_t Delta_t
+
+  Same updates as ``magma.magma(optax.adam(lr, b1, b2, eps, eps_root), tau=tau,
+  keep_prob=keep_prob, key=key, ...)`` (``optax.adamw(..., weight_decay=wd)`` when
+  ``weight_decay`` is nonzero) for the same key, at the cost of about one Adam
+  step: see ``benchmarks/step_overhead.py``. Leaves out of ``where`` take the plain
+  Adam(W) update.
+
+  Args:
+    learning_rate: float or ``optax.Schedule`` of the step count.
+    b1, b2: Adam's decay rates, in [0, 1).
+    eps, eps_root: Adam's epsilons, >= 0.
+    weight_decay: decoupled weight decay >= 0 (AdamW), float or schedule; applied to
+      every leaf, like ``optax.adamw(mask=None)``. Needs ``params`` in ``update``.
+    mu_dtype: dtype of the first moment (default: the parameter's).
+    tau: temperature tau > 0 of Magma's sigmoid (paper: 2.0); float or schedule.
+    keep_prob: probability in (0, 1] of keeping a block (paper: 0.5); float,
+      schedule or mapping label -> probability.
+    key: PRNG key (int or ``jax.random.key``), keyword-only, default 0.
+    score_decay: EMA decay of the score, in [0, 1) (paper: 0.9).
+    init_score: s_0 in [0, 1] (default 0.5).
+    granularity: block granularity (``"tensor"``, ``"row"``, ``"column"``,
+      ``"element"`` or a tile shape). The Pallas kernel needs contiguous blocks
+      (not ``"column"`` or tiles); the default falls back to XLA for those.
+    stack_axes: number of leading axes that index stacked (scanned) layers.
+    where: which leaves get Magma (``None``: all floating leaves; e.g.
+      :func:`attention_mlp_weights`, the paper's scope).
+    labels: labels for per-label keep probabilities and statistics.
+    implementation: kernel choice, see :func:`magma_optax.kernels.masked_adam`:
+      ``"xla"``, ``"pallas"``, a sequence, or ``None`` (Pallas on GPU, else XLA).
+    interpret: run the Pallas kernel in the interpreter (CPU tests only).
+    block_sizes: Pallas tile shape (default: the heuristic).
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` with an :class:`AdamMagmaState`;
+    ``update`` accepts the extra arg ``param_mask``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import magma_optax as magma
+    >>> tx = magma.adam_magma(1e-3, key=0)
+    >>> params = {"w": jnp.ones((3, 4))}
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({"w": jnp.ones((3, 4))}, state, params)
+    >>> params = optax.apply_updates(params, updates)
+
+  References:
+    Joo et al., On Surprising Effectiveness of Masking Updates in Adaptive
+    Optimizers, arXiv 2602.15322 (2026), Algorithm 1; Kingma & Ba, Adam,
+    arXiv 1412.6980; Loshchilov & Hutter, AdamW, arXiv 1711.05101.
+  """
+  b1 = _check_unit("b1", b1)
+  b2 = _check_unit("b2", b2)
+  for name, value in (("eps", eps), ("eps_root", eps_root)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+      raise ValueError(f"{name} must be a float >= 0; got {value!r}.")
+  learning_rate = _check_nonnegative("learning_rate", learning_rate)
+  weight_decay = _check_nonnegative("weight_decay", weight_decay)
+  if isinstance(implementation, str) or implementation is None:
+    impls = () if implementation is None else (implementation,)
+  else:
+    impls = tuple(implementation)
+  for impl in impls:
+    if impl not in kernels.IMPLEMENTATIONS:
+      raise ValueError(
+        f"implementation must be one of {kernels.IMPLEMENTATIONS}, a sequence of"
+        f" them, or None; got {implementation!r}."
+      )
+  mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
+  has_decay = _schedules.is_schedule(weight_decay) or weight_decay != 0.0
+  # The wrapper's validation and state layout, reused: same checks, same masks.
+  align = _alignment.make_alignment(
+    tau=tau,
+    keep_prob=keep_prob,
+    key=key,
+    score_decay=score_decay,
+    init_score=init_score,
+    momentum_decay=0.9,
+    granularity=granularity,
+    stack_axes=stack_axes,
+    where=where,
+    labels=labels,
+    momentum_dtype=None,
+  )
+  granularity = _blocks.validate_granularity(granularity)
+  keep_prob = _scoping.validate_keep_prob(keep_prob)
+
+  def init_fn(params):
+    return AdamMagmaState(
+      count=jnp.zeros([], jnp.int32),
+      mu=optax.tree.zeros_like(params, dtype=mu_dtype),
+      nu=optax.tree.zeros_like(params),
+      mask_state=align.init(params, lambda plan: False),
+    )
+
+  def update_fn(updates, state, params=None, *, param_mask=None, **extra_args):
+    del extra_args
+    if has_decay and params is None:
+      raise ValueError(
+        "adam_magma with weight_decay needs the params: call update(grads,"
+        " state, params)."
+      )
+    plans, treedef = _scoping.plan_leaves(
+      updates,
+      where=where,
+      labels=labels,
+      keep_prob=keep_prob,
+      granularity=granularity,
+      stack_axes=stack_axes,
+    )
+    mask_state = state.mask_state
+    plans = _scoping.match_state(plans, mask_state.scores)
+    count = mask_state.count
+    masks = _masks.draw_block_masks(mask_state.key, count, plans)
+    count_inc = optax.safe_increment(state.count)
+    lr = _schedules.evaluate(learning_rate, state.count)
+    wd = _schedules.evaluate(weight_decay, state.count) if has_decay else 0.0
+    inv_tau = 1.0 / _schedules.evaluate(tau, count)
+    decay = float(score_decay)
+    is_masked = lambda x: isinstance(x, optax.MaskedNode)
+    grads = treedef.flatten_up_to(updates)
+    mus = treedef.flatten_up_to(state.mu)
+    nus = treedef.flatten_up_to(state.nu)
+    ps = treedef.flatten_up_to(params) if has_decay else [None] * len(grads)
+    if param_mask is None:
+      pms = [None] * len(grads)
+    else:
+      pms = treedef.flatten_up_to(param_mask)
+    old_scores = jax.tree.leaves(mask_state.scores, is_leaf=is_masked)
+    out, new_mu, new_nu, new_scores = [], [], [], []
+    for i, plan in enumerate(plans):
+      scale: Any = None
+      layout = plan.layout
+      score_box: list[jax.Array] = []
+      if layout is not None:
+
+        def scale(dot, mu_sq, g_sq, s_prev=old_scores[i], z=masks[i], box=score_box):
+          cos = _cosine(dot, mu_sq, g_sq)
+          s = decay * s_prev + (1.0 - decay) * jax.nn.sigmoid(cos * inv_tau)
+          s = s.astype(jnp.float32)
+          box.append(s)
+          return s * z
+
+      res = kernels.masked_adam(
+        grads[i],
+        mus[i],
+        nus[i],
+        count=count_inc,
+        learning_rate=lr,
+        b1=b1,
+        b2=b2,
+        eps=eps,
+        eps_root=eps_root,
+        weight_decay=wd,
+        params=ps[i],
+        param_mask=pms[i],
+        scale=scale,
+        layout=layout,
+        implementation=implementation,
+        interpret=interpret,
+        block_sizes=block_sizes,
+      )
+      out.append(res.update)
+      new_mu.append(res.mu)
+      new_nu.append(res.nu)
+      new_scores.append(score_box[0] if score_box else optax.MaskedNode())
+    overall, by_label = _masks.active_fractions(plans, masks)
+    new_mask_state = mask_state._replace(
+      count=optax.safe_increment(count),
+      scores=treedef.unflatten(new_scores),
+      mask=treedef.unflatten(masks),
+      active_fraction=overall,
+      active_fraction_by_label=by_label,
+    )
+    new_state = AdamMagmaState(
+      count=count_inc,
+      mu=treedef.unflatten(new_mu),
+      nu=treedef.unflatten(new_nu),
+      mask_state=new_mask_state,
+    )
+    return treedef.unflatten(out), new_state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _cosine(dot: jax.Array, a_sq: jax.Array, b_sq: jax.Array) -> jax.Array:
+  """cos from the block sums, exactly as :func:`_alignment.block_cosine` forms it."""
+  norm = jnp.sqrt(a_sq) * jnp.sqrt(b_sq)
+  ok = norm > 0
+  return jnp.clip(jnp.where(ok, dot / jnp.where(ok, norm, 1.0), 0.0), -1.0, 1.0)
