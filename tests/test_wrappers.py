@@ -245,13 +245,22 @@ def test_where_scopes_masking_and_others_take_the_base_update():
     jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
-def test_integer_leaves_pass_through():
+def test_integer_and_none_leaves_pass_through():
   params = _params()
   grads = [_grad_tree(params, s) for s in range(2)]
   tx = optax.chain(optax.sgd(1e-2), magma.bernoulli_mask(0.5))
   traj, masks, _ = _run(tx, params, grads)
   assert isinstance(masks[0]["step"], optax.MaskedNode)
   assert traj[-1]["step"] == 3
+  with_none = {"w": jnp.ones((2, 3)), "absent": None}
+  for tx in (
+    magma.magma(optax.adam(1e-2)),
+    magma.skip_update(optax.adam(1e-2)),
+    magma.alignment_mask(),
+    magma.damping(0.1),
+  ):
+    updates, _ = jax.jit(tx.update)(with_none, tx.init(with_none), with_none)
+    assert updates["absent"] is None and updates["w"].shape == (2, 3)
 
 
 def test_zero_gradients_never_put_nan_in_state():
