@@ -267,6 +267,30 @@ def loss_fn(graphdef: nnx.GraphDef, params: Params, batch: jax.Array) -> jax.Arr
   return losses.mean()
 
 
+def lr_schedule(peak_lr: float, total_steps: int) -> optax.Schedule:
+  """The paper's schedule: linear warm-up over 10 % of steps, cosine to 10 % of peak.
+
+  Args:
+    peak_lr: peak learning rate (> 0).
+    total_steps: training steps (>= 1).
+
+  Returns:
+    An ``optax.Schedule`` for ``optax.adam(learning_rate=...)`` and friends.
+  """
+  if not peak_lr > 0:
+    raise ValueError(f"peak_lr must be > 0; got {peak_lr!r}.")
+  if total_steps < 1:
+    raise ValueError(f"total_steps must be >= 1; got {total_steps!r}.")
+  warmup = max(1, total_steps // 10)
+  return optax.warmup_cosine_decay_schedule(
+    init_value=0.0,
+    peak_value=peak_lr,
+    warmup_steps=warmup,
+    decay_steps=max(total_steps, warmup + 1),
+    end_value=0.1 * peak_lr,
+  )
+
+
 def make_train_step(
   graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *, donate: bool = True
 ) -> Callable[[Params, Any, jax.Array], tuple[Params, Any, jax.Array]]:
