@@ -1,0 +1,248 @@
+"""Tests for magma_optax.sparse_state: skip, compact and offload storage."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import magma_optax as magma
+
+B1, B2, EPS, LR = 0.9, 0.999, 1e-8, 0.05
+
+
+def tree(seed, shapes):
+  keys = jax.random.split(jax.random.key(seed), len(shapes))
+  return {
+    f"p{i}": jax.random.normal(k, s)
+    for i, (k, s) in enumerate(zip(keys, shapes, strict=True))
+  }
+
+
+def np_masked_adam(grads, masks):
+  """Reference masked-moment Adam: inactive entries keep moments, update zero."""
+  mu = np.zeros_like(grads[0])
+  nu = np.zeros_like(grads[0])
+  out = []
+  for t, (g, m) in enumerate(zip(grads, masks, strict=True), start=1):
+    mu = np.where(m, B1 * mu + (1 - B1) * g, mu)
+    nu = np.where(m, B2 * nu + (1 - B2) * g * g, nu)
+    mhat, vhat = mu / (1 - B1**t), nu / (1 - B2**t)
+    out.append((np.where(m, -LR * mhat / (np.sqrt(vhat) + EPS), 0.0), mu, nu))
+  return out
+
+
+@pytest.mark.parametrize("mode", ["skip", "offload"])
+def test_skip_matches_numpy_masked_moments(mode):
+  shape = (3, 4)
+  rng = np.random.default_rng(0)
+  grads = [rng.normal(size=shape).astype(np.float32) for _ in range(4)]
+  masks = [rng.random(shape) < 0.5 for _ in range(4)]
+  tx = magma.sparse_state(optax.adam(LR, b1=B1, b2=B2, eps=EPS), mode=mode)
+  params = {"w": jnp.zeros(shape)}
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  for (u_ref, mu_ref, nu_ref), g, m in zip(
+    np_masked_adam(grads, masks), grads, masks, strict=True
+  ):
+    u, state = step({"w": g}, state, params, param_mask={"w": m})
+    np.testing.assert_allclose(np.asarray(u["w"]), u_ref, rtol=2e-5, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(state.base_state[0].mu["w"]), mu_ref, 1e-5)
+    np.testing.assert_allclose(np.asarray(state.base_state[0].nu["w"]), nu_ref, 1e-5)
+  assert step._cache_size() == 1
+
+
+def test_no_mask_equals_base():
+  params = tree(0, [(3, 4)])
+  grads = tree(1, [(3, 4)])
+  tx = magma.sparse_state(optax.adam(LR), mode="skip")
+  u, _ = tx.update(grads, tx.init(params), params)
+  v, _ = optax.adam(LR).update(grads, optax.adam(LR).init(params), params)
+  np.testing.assert_array_equal(np.asarray(u["p0"]), np.asarray(v["p0"]))
+
+
+@pytest.fixture(scope="module")
+def mode_runs():
+  """periodic_mask(sparse_state(base, mode)) for every mode, with regrowth."""
+  shapes = [(8, 8), (2, 2, 4, 4)]
+  runs = {}
+  for base_name, make_base in [
+    ("adam", lambda: optax.adam(LR)),
+    ("sgdm", lambda: optax.sgd(LR, momentum=0.9)),
+  ]:
+    for mode in ["skip", "compact"]:
+      inner = magma.sparse_state(
+        make_base(), mode=mode, density=0.25 if mode == "compact" else None
+      )
+      tx = magma.periodic_mask(
+        inner, sparsity=0.75, every=2, importance=lambda p, g: jnp.abs(g)
+      )
+      params = tree(2, shapes)
+      state = tx.init(params)
+      step = jax.jit(tx.update)
+      history, regrown = [], 0
+      for t in range(7):
+        updates, state = step(tree(10 + t, shapes), state, params)
+        params = optax.apply_updates(params, updates)
+        regrown += int(state.num_regrown)
+        history.append(params)
+      runs[base_name, mode] = (history, state, step, regrown)
+  return runs
+
+
+@pytest.mark.parametrize("base_name", ["adam", "sgdm"])
+def test_compact_equals_skip(mode_runs, base_name):
+  skip_hist, _, _, regrown = mode_runs[base_name, "skip"]
+  compact_hist, state, step, _ = mode_runs[base_name, "compact"]
+  assert regrown > 0  # the comparison covers regrowth
+  for a, b in zip(skip_hist, compact_hist, strict=True):
+    for k in a:
+      np.testing.assert_allclose(np.asarray(a[k]), np.asarray(b[k]), atol=1e-6)
+  assert step._cache_size() == 1
+
+
+def test_compact_storage_shapes(mode_runs):
+  _, state, _, _ = mode_runs["adam", "compact"]
+  mu = state.inner_state.base_state[0].mu
+  # capacity = ceil(0.25 * size) per leaf; 1 bit of bookkeeping per entry.
+  assert {k: v.shape for k, v in mu.items()} == {
+    "p0": (16,),
+    "p1": (4,),
+    "p2": (16,),
+  }
+  assert state.inner_state.stored_bits["p0"].shape == (8,)
+
+
+def state_bytes(state):
+  return sum(x.nbytes for x in jax.tree.leaves(state) if hasattr(x, "nbytes"))
+
+
+@pytest.mark.parametrize("density", [0.1, 0.3, 0.5])
+def test_compact_state_bytes_follow_density(density):
+  params = {"w": jnp.zeros((64, 64)), "v": jnp.zeros((32, 128))}
+  dense = state_bytes(optax.adam(LR).init(params))
+  tx = magma.sparse_state(optax.adam(LR), mode="compact", density=density)
+  ratio = state_bytes(tx.init(params)) / dense
+  assert density <= ratio <= density + 0.05
+
+
+def test_auto_dense_above_threshold():
+  params = {"w": jnp.zeros((8, 8))}
+  tx = magma.sparse_state(optax.adam(LR), mode="compact", density=0.7)
+  state = tx.init(params)
+  assert state.base_state[0].mu["w"].shape == (8, 8)
+  assert isinstance(state.stored_bits["w"], optax.MaskedNode)
+  tx = magma.sparse_state(
+    optax.adam(LR), mode="compact", density=0.7, density_threshold=0.8
+  )
+  assert tx.init(params).base_state[0].mu["w"].shape == (45,)
+
+
+def test_n_m_capacity_is_exact():
+  params = {"w": jnp.zeros((4, 8))}
+  tx = magma.periodic_mask(
+    magma.sparse_state(optax.adam(LR), mode="compact", structure=(2, 4)),
+    structure=(2, 4),
+    every=1,
+  )
+  state = tx.init(params)
+  assert state.inner_state.base_state[0].mu["w"].shape == (16,)
+  grads = tree(3, [(4, 8)])
+  updates, state = jax.jit(tx.update)({"w": grads["p0"]}, state, params)
+  assert int(jnp.sum(updates["w"] != 0)) == 16
+
+
+def test_capacity_overflow_raises():
+  params = {"w": jnp.ones(8)}
+  tx = magma.sparse_state(optax.adam(LR), mode="compact", density=0.25)
+  state = tx.init(params)
+  too_many = {"w": jnp.arange(8) < 3}
+  with pytest.raises(ValueError, match="capacity overflow"):
+    tx.update(params, state, params, param_mask=too_many)
+  with pytest.raises(Exception, match="capacity overflow"):
+    out = jax.jit(tx.update)(params, state, params, param_mask=too_many)
+    jax.block_until_ready(out)
+  ok = {"w": jnp.arange(8) < 2}
+  jax.block_until_ready(jax.jit(tx.update)(params, state, params, param_mask=ok))
+
+
+def test_compact_needs_a_mask():
+  params = {"w": jnp.ones(8)}
+  tx = magma.sparse_state(optax.adam(LR), mode="compact", density=0.25)
+  with pytest.raises(ValueError, match="param_mask"):
+    tx.update(params, tx.init(params), params)
+
+
+def test_unscoped_leaves_are_plain_dense():
+  params = {"w": jnp.ones(8), "b": jnp.ones(3)}
+  tx = magma.sparse_state(
+    optax.adam(LR), mode="compact", density=0.25, where=lambda p, x: x.size == 8
+  )
+  state = tx.init(params)
+  assert state.base_state[0].mu["b"].shape == (3,)
+  mask = {"w": jnp.arange(8) < 2, "b": optax.MaskedNode()}
+  u, _ = jax.jit(tx.update)(params, state, params, param_mask=mask)
+  assert np.all(np.asarray(u["b"]) != 0)
+  assert np.all(np.asarray(u["w"])[2:] == 0)
+
+
+@pytest.mark.skipif(
+  not magma.host_offload_available(), reason="no pinned_host memory kind"
+)
+def test_offload_placement_and_reactivation():
+  params = {"a": jnp.ones(4), "b": jnp.ones((2, 3))}
+  tx = magma.sparse_state(optax.adam(LR), mode="offload", offload_after=2)
+  ref = magma.sparse_state(optax.adam(LR), mode="skip")
+  state, ref_state = tx.init(params), ref.init(params)
+  step, ref_step = jax.jit(tx.update), jax.jit(ref.update)
+  kinds = []
+  for t in range(7):
+    mask = {"a": jnp.full(4, t in (0, 5, 6)), "b": jnp.ones((2, 3), bool)}
+    grads = jax.tree.map(lambda x, t=t: jnp.full(x.shape, t + 1.0), params)
+    u, state = step(grads, state, params, param_mask=mask)
+    v, ref_state = ref_step(grads, ref_state, params, param_mask=mask)
+    state = magma.offload_sparse_state(state, params)
+    mu = state.base_state[0].mu
+    kinds.append((mu["a"].sharding.memory_kind, mu["b"].sharding.memory_kind))
+    for k in params:
+      np.testing.assert_allclose(np.asarray(u[k]), np.asarray(v[k]), atol=1e-7)
+      np.testing.assert_allclose(
+        np.asarray(mu[k]), np.asarray(ref_state.base_state[0].mu[k]), atol=1e-7
+      )
+  device = jax.devices()[0].default_memory().kind
+  # "a" is inactive at steps 1..4: cold after 2 steps, back when active at step 5.
+  assert [k[0] for k in kinds] == [device, device] + ["pinned_host"] * 3 + [device] * 2
+  assert all(k[1] == device for k in kinds)
+  assert isinstance(state.cold["a"], jax.Array)
+
+
+def test_offload_helper_is_noop_without_offload_state():
+  params = {"a": jnp.ones(4)}
+  tx = magma.sparse_state(optax.adam(LR), mode="skip")
+  state = tx.init(params)
+  assert magma.offload_sparse_state(state, params) is not None
+
+
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
+    (dict(mode="dense"), "mode"),
+    (dict(mode="compact"), "density"),
+    (dict(mode="compact", density=0.0), "density"),
+    (dict(mode="compact", density=1.5), "density"),
+    (dict(mode="compact", structure=(5, 4)), "structure"),
+    (dict(mode="compact", structure=(2, 4), density=0.5), "not both"),
+    (dict(mode="offload", offload_after=0), "offload_after"),
+    (dict(density_threshold=1.5), "density_threshold"),
+  ],
+)
+def test_bad_arguments_raise(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    magma.sparse_state(optax.adam(LR), **kwargs)
+
+
+def test_bad_mask_shape_raises():
+  params = {"w": jnp.ones(8)}
+  tx = magma.sparse_state(optax.adam(LR), mode="skip")
+  with pytest.raises(ValueError, match="shape"):
+    tx.update(params, tx.init(params), params, param_mask={"w": jnp.ones(4, bool)})
