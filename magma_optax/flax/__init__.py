@@ -6,9 +6,21 @@ only.
 
 from magma_optax.flax import llama
 from magma_optax.flax.llama import Llama, LlamaConfig
+from magma_optax.flax import scaling
+from magma_optax.flax.scaling import ScaledMaskedDense
+from magma_optax.flax.scaling import ScaledMaskedLinear
+from magma_optax.flax.scaling import SparsityMask
+from magma_optax.flax.scaling import assign_masks
+from magma_optax.flax.scaling import knowledge_distillation_loss
 
 __all__ = (
   "Llama",
   "LlamaConfig",
+  "ScaledMaskedDense",
+  "ScaledMaskedLinear",
+  "SparsityMask",
+  "assign_masks",
+  "knowledge_distillation_loss",
   "llama",
+  "scaling",
 )
