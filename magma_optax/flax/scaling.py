@@ -212,7 +212,9 @@ def assign_masks(model: nnx.Module, param_mask: Any) -> None:
     model: an NNX module tree.
     param_mask: mask tree with the structure of the model's parameters.
   """
-  for path, module in model.iter_modules():
+  # nnx.iter_modules (flax >= 0.12) replaces the deprecated method.
+  iter_modules = getattr(nnx, "iter_modules", None) or type(model).iter_modules
+  for path, module in iter_modules(model):
     if not isinstance(module, ScaledMaskedLinear):
       continue
     node = param_mask
