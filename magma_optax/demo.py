@@ -17,8 +17,8 @@ quarter of Adam's, and the paper finds its best learning rate is higher than Ada
 Adam's best; ``--lr`` and ``--magma-lr`` change them. At this size and horizon the two
 are close (see ``benchmarks/RESULTS.md`` for the learning-rate sweep).
 
-Sizes. ``--size small`` (default, ~0.87M parameters, 4 layers, width 128) with 16
-sequences of 128 bytes per step and 400 steps takes about two minutes on two CPU
+Sizes. ``--size small`` (default, ~0.87M parameters, 4 layers, width 128) with 8
+sequences of 128 bytes per step and 300 steps takes about two minutes on two CPU
 cores; ``--size tiny`` is a few seconds' smoke test; ``--size medium`` wants an
 accelerator.
 
@@ -55,11 +55,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     prog="python3 -m magma_optax.demo",
     description="Adam vs Adam+Magma on a byte-level LLaMA-style model.",
   )
-  parser.add_argument("--steps", type=int, default=400, help="training steps")
+  parser.add_argument("--steps", type=int, default=300, help="training steps")
   parser.add_argument(
     "--size", choices=llama.PRESETS, default="small", help="model preset"
   )
-  parser.add_argument("--batch-size", type=int, default=16)
+  parser.add_argument("--batch-size", type=int, default=8)
   parser.add_argument("--seq-len", type=int, default=128)
   parser.add_argument("--lr", type=float, default=ADAM_LR, help="Adam's peak LR")
   parser.add_argument(

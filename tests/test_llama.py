@@ -191,3 +191,10 @@ def test_bad_config(kwargs, match):
     llama.LlamaConfig(**kwargs)
   with pytest.raises(ValueError, match="preset"):
     llama.LlamaConfig.preset("huge")
+
+
+def test_causal_attention_matches_jax_reference():
+  rng = np.random.default_rng(2)
+  q, k, v = (jnp.asarray(rng.normal(size=(2, 9, 3, 4)), jnp.float32) for _ in "qkv")
+  ref = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+  np.testing.assert_allclose(llama.causal_attention(q, k, v), ref, rtol=1e-5, atol=1e-6)
