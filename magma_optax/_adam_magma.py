@@ -9,8 +9,11 @@ key and hyperparameters the updates equal ``magma.magma(optax.adam(...))``
 (``optax.adamw`` with ``weight_decay``) up to float32 rounding of the reductions.
 
 The state keeps Adam's ``count``, ``mu`` and ``nu`` (found by name, as for
-``optax.adam``) and an :class:`AlignmentMaskState` (scores, last mask, active
-fractions), so :func:`magma_optax.mask_stats` reads it unchanged.
+``optax.adam``), ``mu_sq_norm`` (||mu||^2 per block, carried so that the cosine costs
+no extra pass over mu) and an :class:`AlignmentMaskState` (scores, last mask, active
+fractions), so :func:`magma_optax.mask_stats` reads it unchanged. If you edit ``mu``
+outside the optimizer, update ``mu_sq_norm`` too (a step with ``param_mask`` given
+recomputes it).
 
 Extra arg ``param_mask`` (a pytree of bools like the params, ``None`` leaves allowed):
 entries where it is False do not exist -- their moments are frozen, their update is 0
@@ -42,6 +45,9 @@ class AdamMagmaState(NamedTuple):
     count: int32 scalar, number of updates so far (Adam's bias-correction step).
     mu: pytree like the params, Adam's first moment (``mu_dtype`` or the params').
     nu: pytree like the params, Adam's second moment.
+    mu_sq_norm: per leaf an f32 array of the leaf's block shape, ||mu||^2 per block
+      (``optax.MaskedNode`` where unscoped): carried so that the next step's
+      ||mu_t||^2 needs no extra pass (see :mod:`magma_optax.kernels.api`).
     mask_state: :class:`AlignmentMaskState`: per-block scores s_t, the last masks
       z_t, active fractions (``momentum`` is all ``MaskedNode``: ``mu`` serves).
   """
@@ -49,6 +55,7 @@ class AdamMagmaState(NamedTuple):
   count: jax.Array
   mu: Any
   nu: Any
+  mu_sq_norm: Any
   mask_state: _alignment.AlignmentMaskState
 
 
@@ -182,11 +189,13 @@ def adam_magma(
   keep_prob = _scoping.validate_keep_prob(keep_prob)
 
   def init_fn(params):
+    mask_state = align.init(params, lambda plan: False)
     return AdamMagmaState(
       count=jnp.zeros([], jnp.int32),
       mu=optax.tree.zeros_like(params, dtype=mu_dtype),
       nu=optax.tree.zeros_like(params),
-      mask_state=align.init(params, lambda plan: False),
+      mu_sq_norm=jax.tree.map(jnp.zeros_like, mask_state.scores),
+      mask_state=mask_state,
     )
 
   def update_fn(updates, state, params=None, *, param_mask=None, **extra_args):
@@ -223,7 +232,8 @@ def adam_magma(
     else:
       pms = treedef.flatten_up_to(param_mask)
     old_scores = jax.tree.leaves(mask_state.scores, is_leaf=is_masked)
-    out, new_mu, new_nu, new_scores = [], [], [], []
+    old_norms = jax.tree.leaves(state.mu_sq_norm, is_leaf=is_masked)
+    out, new_mu, new_nu, new_scores, new_norms = [], [], [], [], []
     for i, plan in enumerate(plans):
       scale: Any = None
       layout = plan.layout
@@ -255,7 +265,14 @@ def adam_magma(
         implementation=implementation,
         interpret=interpret,
         block_sizes=block_sizes,
+        mu_sq_norm_prev=None if layout is None else old_norms[i],
       )
+      if layout is None:
+        new_norms.append(optax.MaskedNode())
+      elif pms[i] is None:
+        new_norms.append(res.mu_sq_norm)
+      else:  # the sums covered existing entries only; the carry needs all
+        new_norms.append(layout.block_sum(jnp.square(res.mu.astype(jnp.float32))))
       out.append(res.update)
       new_mu.append(res.mu)
       new_nu.append(res.nu)
@@ -272,6 +289,7 @@ def adam_magma(
       count=count_inc,
       mu=treedef.unflatten(new_mu),
       nu=treedef.unflatten(new_nu),
+      mu_sq_norm=treedef.unflatten(new_norms),
       mask_state=new_mask_state,
     )
     return treedef.unflatten(out), new_state

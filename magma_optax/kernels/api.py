@@ -26,6 +26,17 @@ what it can); the Pallas path first reduces m_{t-1} and g -- which Adam reads an
 so the kernel itself makes a single pass. (The derived sums equal the direct ones up
 to float32 rounding; when m_t nearly cancels, the cosine is ill-conditioned either
 way.)
+
+On XLA:CPU reductions are single-threaded library calls that cannot share a pass
+with the elementwise Adam loops, so every reduction is a separate read. Two things
+keep them few. ``||g||^2`` would be common-subexpression-merged with Adam's
+``g * g`` and the product written to memory; an ``optimization_barrier`` on g keeps
+the square inside the reduction. And given ``mu_sq_norm_prev`` (||m_{t-1}||^2 per
+block, carried in the optimizer state) ||m_t||^2 follows without reading m_t again::
+
+    ||m_t||^2 = b1^2 ||m_{t-1}||^2 + 2 (1 - b1) <m_t, g> - (1 - b1)^2 ||g||^2
+
+(the recursion contracts errors by b1^2 per step, so rounding does not accumulate).
 """
 
 from __future__ import annotations
@@ -130,6 +141,7 @@ def masked_adam(
   implementation: str | Sequence[str] | None = None,
   interpret: bool = False,
   block_sizes: config_lib.BlockSizes | None = None,
+  mu_sq_norm_prev: jax.Array | None = None,
 ) -> reference.MaskedAdamOutput:
   r"""One fused Adam step on one leaf with a per-block masked, scaled update.
 
@@ -161,6 +173,9 @@ def masked_adam(
       ``None`` (``DEFAULT_IMPLEMENTATIONS``: Pallas on GPU, else XLA).
     interpret: run the Pallas kernel in the interpreter (CPU tests).
     block_sizes: Pallas tile shape (default: :meth:`BlockSizes.get_default`).
+    mu_sq_norm_prev: optional per-block ||m||^2 of the incoming ``mu`` (the
+      previous step's ``mu_sq_norm``); lets the XLA path skip one reduction. Only
+      valid if ``mu`` was not changed since; ignored with ``param_mask``.
 
   Returns:
     A :class:`MaskedAdamOutput` (new moments, masked update, per-block sums).
@@ -195,7 +210,12 @@ def masked_adam(
     if callable(scale):
       new_m, new_v = reference.moments(grad, mu, nu, constants, param_mask)
       out_m = new_m.astype(mu.dtype)
-      sums = reference.partial_sums(layout, out_m, grad, param_mask)
+      # Keeps ||g||^2 from sharing (and materialising) Adam's g * g; see above.
+      g = jax.lax.optimization_barrier(grad)
+      if mu_sq_norm_prev is None or param_mask is not None:
+        sums = reference.partial_sums(layout, out_m, g, param_mask)
+      else:
+        sums = carried_sums(layout, out_m, g, mu_sq_norm_prev, b1)
       u = reference.update(
         new_m, new_v, hyper, constants, layout=layout, scale=scale(*sums),
         params=params, param_mask=param_mask, dtype=grad.dtype,
@@ -212,6 +232,26 @@ def masked_adam(
     param_mask=param_mask, params=params, block_sizes=block_sizes,
     interpret=interpret,
   )  # fmt: skip
+
+
+def carried_sums(
+  layout: _blocks.BlockLayout,
+  mu: jax.Array,
+  grad: jax.Array,
+  mu_sq_norm_prev: jax.Array,
+  b1: float,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(<m_t, g>, ||m_t||^2, ||g||^2)`` reading m_t and g once: two reductions.
+
+  ||m_t||^2 comes from the carried ||m_{t-1}||^2 (module docstring).
+  """
+  m = mu.astype(jnp.float32)
+  g = grad.astype(jnp.float32)
+  dot = layout.block_sum(m * g)
+  gg = layout.block_sum(g * g)
+  c = 1.0 - b1
+  mm = b1 * b1 * jnp.asarray(mu_sq_norm_prev, jnp.float32) + 2.0 * c * dot
+  return dot, jnp.maximum(mm - c * c * gg, 0.0), gg
 
 
 def derived_sums(
