@@ -348,3 +348,20 @@ def test_bad_inputs_at_init_and_update():
   )
   with pytest.raises(ValueError, match="one score per entry"):
     tx.update(params, tx.init(params), params)
+
+
+def test_top_k_with_heavy_ties_matches_numpy():
+  from magma_optax._periodic import _top_k_mask
+
+  rng = np.random.default_rng(9)
+  top_k = jax.jit(_top_k_mask)
+  values = np.array([-np.inf, -1.5, -0.0, 0.0, 1e-30, 2.0, np.inf], np.float32)
+  for trial in range(12):
+    n = int(rng.integers(1, 40))
+    score = rng.choice(values, size=n) + np.float32(0.0)  # as _scores does
+    active = rng.random(n) < 0.5
+    k = int(rng.integers(0, n + 1))
+    got = np.asarray(top_k(jnp.asarray(score), jnp.asarray(active), k))
+    want = np_keep(score, active, 1.0 - k / n)
+    assert got.sum() == k, trial
+    np.testing.assert_array_equal(got, want, err_msg=str(trial))
