@@ -1,0 +1,436 @@
+"""Sharded training runs on 8 forced CPU devices, for test_sharding / test_multihost.
+
+``XLA_FLAGS=--xla_force_host_platform_device_count=8`` must be set before JAX starts,
+so the tests run ``python3 tests/_sharding_worker.py OUT_DIR`` in a subprocess. It
+trains a few steps of every transform with parameters sharded by rows, by columns,
+by both (and a data+model-parallel MLP), on ``AxisType.Auto`` and ``Explicit``
+meshes, and writes
+
+* ``OUT_DIR/<run>.npz``: final parameters and optimizer state (flattened by key path;
+  PRNG keys as key data) and the masks of every step, for comparison with the same
+  run on one device in the test process;
+* ``OUT_DIR/report.json``: shardings of the state, collectives in the compiled step,
+  and compile-cache sizes.
+
+Importing this module (as the tests do, to build the same optimizers) has no side
+effects; all transforms of one run are combined into one optimizer (one compile).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__":  # before JAX starts
+  # Optimization level 0 only makes LLVM faster at compiling these tiny programs.
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+  )
+  os.environ["JAX_PLATFORMS"] = "cpu"
+
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import AxisType  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import magma_optax as magma  # noqa: E402
+
+STEPS = 3
+# name -> (shape, partition spec on a ("x"=2, "y"=4) mesh)
+FLAT = {
+  "rows": ((16, 8), P("x", None)),
+  "cols": ((8, 16), P(None, "y")),
+  "both": ((16, 16), P("x", "y")),
+  "bias": ((16,), P("y")),
+}
+SQUARE = {k: v for k, v in FLAT.items() if k != "bias"}  # 4x4 tiles divide these
+STACKED = {"layers": ((4, 8, 16), P(None, "x", "y")), "head": ((16, 8), P("y", None))}
+
+
+def core_transforms():
+  """Case name -> (optimizer, parameter layout). Every core transform appears."""
+  return {
+    "magma_adam": (magma.magma(optax.adam(0.1), key=1), FLAT),
+    "magma_adam_row": (magma.magma(optax.adam(0.1), key=2, granularity="row"), FLAT),
+    "magma_rmsprop_column": (
+      magma.magma(optax.rmsprop(0.1), key=3, granularity="column"),
+      FLAT,
+    ),
+    "skip_update_sgd_element": (
+      magma.skip_update(optax.sgd(0.1, momentum=0.9), key=4, granularity="element"),
+      FLAT,
+    ),
+    "bernoulli_mask_tile": (
+      optax.chain(
+        optax.adam(0.1), magma.bernoulli_mask(0.5, key=5, granularity=(4, 4))
+      ),
+      SQUARE,
+    ),
+    "alignment_mask_row": (
+      optax.chain(magma.alignment_mask(key=6, granularity="row"), optax.adam(0.1)),
+      FLAT,
+    ),
+    "damping_row": (
+      optax.chain(optax.adam(0.1), magma.damping(0.5, granularity="row")),
+      FLAT,
+    ),
+    "magma_stacked": (
+      magma.magma(optax.adam(0.1), key=7, stack_axes=1, granularity="row"),
+      STACKED,
+    ),
+  }
+
+
+EXPLICIT_CASES = ("magma_adam_row", "skip_update_sgd_element")
+
+
+def sparse_transforms():
+  """The sparse-training wrappers (empty if the package does not have them)."""
+  if not hasattr(magma, "periodic_mask") or not hasattr(magma, "sparse_state"):
+    return {}
+  return {
+    "periodic_mask_adam": (
+      magma.periodic_mask(optax.adam(0.1), sparsity=0.5, every=2),
+      FLAT,
+    ),
+    "periodic_mask_sparse_state_compact": (
+      magma.periodic_mask(
+        magma.sparse_state(optax.adam(0.1), mode="compact", density=0.5),
+        sparsity=0.5,
+        every=2,
+      ),
+      FLAT,
+    ),
+  }
+
+
+def per_case(txs):
+  """One optimizer running ``txs[name]`` on ``params[name]`` (like multi_transform,
+  but every transform sees its own subtree exactly as if used alone)."""
+
+  def init_fn(params):
+    return {k: tx.init(params[k]) for k, tx in txs.items()}
+
+  def update_fn(updates, state, params=None, **extra_args):
+    out_u, out_s = {}, {}
+    for k, tx in txs.items():
+      out_u[k], out_s[k] = tx.update(updates[k], state[k], params[k], **extra_args)
+    return out_u, out_s
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def initial_params(cases):
+  key = jax.random.key(0)
+  return {
+    case: {
+      name: jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)
+      for i, (name, (shape, _)) in enumerate(sorted(layout.items()))
+    }
+    for case, (_, layout) in cases.items()
+  }
+
+
+def loss(params):
+  # Gradients change with the parameters, so masks, scores and moments all evolve.
+  return sum(
+    jnp.sum(jnp.sin(p) * jnp.arange(p.size, dtype=p.dtype).reshape(p.shape) / p.size)
+    + 0.5 * jnp.sum(p * p)
+    for p in jax.tree.leaves(params)
+  )
+
+
+def train_step_fn(tx):
+  def step(params, state):
+    grads = jax.grad(loss)(params)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return step
+
+
+def flatten(tree, prefix=""):
+  """Key path -> numpy array (PRNG keys as their key data)."""
+  out = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+      leaf = jax.random.key_data(leaf)
+    out[prefix + jax.tree_util.keystr(path)] = np.asarray(leaf)
+  return out
+
+
+def step_masks(state):
+  """The per-block masks drawn at the last step, by key path."""
+  return {k: v for k, v in flatten(state).items() if ".mask[" in k}
+
+
+def run(cases, steps=STEPS, shardings=None):
+  """Trains ``steps`` steps on one device (``shardings=None``) or sharded.
+
+  Returns (params, state, masks of every step, compiles per step, jitted step).
+  """
+  tx = per_case({k: tx for k, (tx, _) in cases.items()})
+  params = initial_params(cases)
+  if shardings is None:
+    params = jax.device_put(params, jax.devices()[0])
+    state = jax.jit(tx.init)(params)
+    step = jax.jit(train_step_fn(tx))
+  else:
+    params = jax.device_put(params, shardings)
+    state_sh = {
+      k: magma.sharding.state_shardings(cases[k][0], params[k]) for k in cases
+    }
+    state = jax.jit(tx.init, out_shardings=state_sh)(params)  # one compile
+    step = jax.jit(train_step_fn(tx), out_shardings=(shardings, state_sh))
+  masks = {}
+  compiles = []
+  for t in range(steps):
+    with count_compiles() as n:
+      params, state = step(params, state)
+    compiles.append(n[0])
+    masks.update({f"step{t}/{k}": v for k, v in step_masks(state).items()})
+  return params, state, masks, compiles, step
+
+
+@contextlib.contextmanager
+def count_compiles():
+  """Counts XLA backend compilations inside the block (in a one-element list)."""
+  n = [0]
+
+  def listener(event, duration_secs, **kwargs):
+    del duration_secs, kwargs
+    if event == "/jax/core/compile/backend_compile_duration":
+      n[0] += 1
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield n
+  finally:
+    unregister = getattr(jax.monitoring, "unregister_event_duration_listener", None)
+    if unregister is not None:
+      unregister(listener)
+    else:  # older JAX: private list
+      from jax._src import monitoring
+
+      monitoring._event_duration_secs_listeners.remove(listener)
+
+
+# --- everything below runs only in the 8-device subprocess -------------------------
+
+_COLLECTIVE = re.compile(
+  r"=\s*(.*?)\s(all-gather|all-to-all|all-reduce|collective-permute|reduce-scatter)"
+  r"(?:-start)?\("
+)
+_SHAPE = re.compile(r"[a-z]+[0-9]*\[([0-9,]*)\]")
+
+
+def collectives(hlo_text):
+  """[op, largest result size in elements] for each collective in compiled HLO."""
+  out = []
+  for line in hlo_text.splitlines():
+    m = _COLLECTIVE.search(line)
+    if m:
+      sizes = [
+        int(np.prod([int(d) for d in dims.split(",") if d]))
+        for dims in _SHAPE.findall(m.group(1))
+      ]
+      out.append([m.group(2), max(sizes, default=1)])
+  return out
+
+
+def describe(x):
+  s = x.sharding
+  spec = list(map(str, s.spec)) if isinstance(s, NamedSharding) else type(s).__name__
+  return {"spec": spec, "replicated": bool(s.is_fully_replicated), "ndim": x.ndim}
+
+
+def sharded_run(name, cases, mesh, out_dir):
+  shardings = {
+    case: {n: NamedSharding(mesh, spec) for n, (_, spec) in layout.items()}
+    for case, (_, layout) in cases.items()
+  }
+  params, state, masks, compiles, step = run(cases, shardings=shardings)
+  with count_compiles() as n:  # the executable the steps ran: no new compile
+    hlo = step.lower(params, state).compile().as_text()
+  compiles.append(n[0])
+  helper = {k: magma.sharding.state_shardings(cases[k][0], params[k]) for k in cases}
+  np.savez(
+    os.path.join(out_dir, f"{name}.npz"),
+    **flatten(params, "params"),
+    **flatten(state, "state"),
+    **{"masks/" + k: v for k, v in masks.items()},
+  )
+  state_leaves = {
+    k: describe(v) for k, v in zip(flatten(state), jax.tree.leaves(state), strict=True)
+  }
+  return {
+    "collectives": collectives(hlo),
+    "compiles_per_step": compiles,
+    "state": state_leaves,
+    "state_matches_helper": all(
+      x.sharding.is_equivalent_to(s, x.ndim)
+      for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(helper), strict=True)
+    ),
+    "params": {
+      k: describe(v)
+      for k, v in zip(flatten(params), jax.tree.leaves(params), strict=True)
+    },
+  }
+
+
+def mlp_problem():
+  """A two-layer MLP regression: (params, x, y, optimizer, step function)."""
+  key = jax.random.key(42)
+  k1, k2, k3 = jax.random.split(key, 3)
+  params = {
+    "w1": jax.random.normal(k1, (8, 16)) / 3,
+    "w2": jax.random.normal(k2, (16, 4)) / 4,
+  }
+  x = jax.random.normal(k3, (16, 8))
+  y = jnp.sin(x[:, :4])
+  tx = magma.magma(optax.adam(0.05), key=11, granularity="row")
+
+  def step(params, state, x, y):
+    def loss_fn(p):
+      return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
+
+    loss_value, grads = jax.value_and_grad(loss_fn)(params)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss_value
+
+  return params, x, y, tx, step
+
+
+def data_model_parallel(mesh, out_dir):
+  """The MLP with its batch sharded on "x" (data parallel) and its hidden units on
+  "y" (model parallel); state from magma.sharding.init."""
+  params, x, y, tx, step = mlp_problem()
+  p_sh = {
+    "w1": NamedSharding(mesh, P(None, "y")),
+    "w2": NamedSharding(mesh, P("y", None)),
+  }
+  params = jax.device_put(params, p_sh)
+  batch = NamedSharding(mesh, P("x", None))
+  x, y = jax.device_put(x, batch), jax.device_put(y, batch)
+  state_sh = magma.sharding.state_shardings(tx, params)
+  state = magma.sharding.init(tx, params)
+  jstep = jax.jit(step, out_shardings=(p_sh, state_sh, NamedSharding(mesh, P())))
+  hlo = jstep.lower(params, state, x, y).compile().as_text()
+  losses, compiles = [], []
+  for _ in range(STEPS):
+    with count_compiles() as n:
+      params, state, loss_value = jstep(params, state, x, y)
+    compiles.append(n[0])
+    losses.append(float(loss_value))
+  np.savez(
+    os.path.join(out_dir, "mlp.npz"),
+    **flatten(params, "params"),
+    **flatten(state, "state"),
+    losses=np.array(losses),
+  )
+  return {"collectives": collectives(hlo), "compiles_per_step": compiles}
+
+
+def _shard_map():
+  if hasattr(jax, "shard_map"):
+    return jax.shard_map, {"check_vma": False}
+  from jax.experimental.shard_map import shard_map  # jax < 0.7
+
+  return shard_map, {"check_rep": False}
+
+
+def shard_map_cosine(mesh):
+  """magma.sharding.block_cosine with axis_name inside shard_map vs the global one."""
+  shard_map, no_check = _shard_map()
+  key = jax.random.key(3)
+  a = jax.random.normal(key, (16, 16))
+  b = (a + jax.random.normal(jax.random.fold_in(key, 1), (16, 16))).at[:4].set(0.0)
+  spec = P("x", "y")
+  # granularity -> (axes that split a block, out spec, local output reshape)
+  cases = {
+    "tensor": (("x", "y"), P(), (1, 1)),
+    "row": ("y", P("x"), (-1,)),
+    "column": ("x", P("y"), (-1,)),
+  }
+
+  def both(a, b):
+    out = {}
+    for g, (axes, out_spec, local_shape) in cases.items():
+      global_fn = shard_map(
+        lambda u, v, g=g, axes=axes: magma.sharding.block_cosine(
+          u, v, granularity=g, axis_name=axes
+        ),
+        mesh=mesh,
+        in_specs=(spec, spec),
+        out_specs=out_spec,
+      )
+      local_fn = shard_map(
+        lambda u, v, g=g, s=local_shape: magma.sharding.block_cosine(
+          u, v, granularity=g
+        ).reshape(s),
+        mesh=mesh,
+        in_specs=(spec, spec),
+        out_specs=spec if g == "tensor" else out_spec,
+        **no_check,
+      )
+      out[g] = (global_fn(a, b), local_fn(a, b))
+    return out
+
+  results = jax.jit(both)(a, b)
+  report = {}
+  for g, (got, local) in results.items():
+    want = np.asarray(magma.sharding.block_cosine(a, b, granularity=g))
+    got, local = np.asarray(got), np.asarray(local)
+    report[g] = {
+      "err": float(np.max(np.abs(got - want))),
+      "finite": bool(np.all(np.isfinite(got))),
+      # Without axis_name each shard sees only its piece: a different answer.
+      "local_differs": bool(
+        local.shape != want.shape or np.max(np.abs(local - want)) > 1e-3
+      ),
+    }
+  return report
+
+
+def main(out_dir):
+  assert jax.device_count() == 8, jax.devices()
+  report = {"jax": jax.__version__, "seconds": {}}
+  auto = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+  t0 = time.perf_counter()
+
+  def lap(name):
+    nonlocal t0
+    report["seconds"][name] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+
+  report["core"] = sharded_run("core", core_transforms(), auto, out_dir)
+  lap("core")
+  if sparse_transforms():
+    report["sparse"] = sharded_run("sparse", sparse_transforms(), auto, out_dir)
+    lap("sparse")
+  report["mlp"] = data_model_parallel(auto, out_dir)
+  lap("mlp")
+  report["shard_map_cosine"] = shard_map_cosine(auto)
+  lap("shard_map")
+  # Meshes from jax.make_mesh default to Explicit axes (sharding in types) in recent
+  # JAX; the same transforms must work there too.
+  explicit = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
+  with jax.set_mesh(explicit):
+    cases = {k: v for k, v in core_transforms().items() if k in EXPLICIT_CASES}
+    report["explicit"] = sharded_run("explicit", cases, explicit, out_dir)
+  lap("explicit")
+  with open(os.path.join(out_dir, "report.json"), "w") as f:
+    json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1])

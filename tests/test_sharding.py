@@ -1,0 +1,222 @@
+"""Sharding: every transform on a 2x4 mesh of forced CPU devices equals one device.
+
+The 8-device runs happen in a subprocess (tests/_sharding_worker.py, once per
+session); the reference runs in this process on one device. Tolerance for float
+leaves (parameters, moments, scores): 2e-5 relative to max(1, |reference|) -- the
+sharded run reduces per-block sums in a different order, and a few steps of Adam
+amplify the f32 rounding slightly. Everything else (masks, counts, PRNG keys) must be
+bitwise equal.
+"""
+
+from __future__ import annotations
+
+import _sharding_runs as runs
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import magma_optax as magma
+
+RTOL = 2e-5
+# The smallest sharded parameter matrix has 64 entries; per-block arrays (at most 16
+# entries here) may be reduced or gathered, parameter-sized arrays never.
+SMALLEST_MATRIX = 64
+
+
+@pytest.fixture(scope="module")
+def report():
+  return runs.sharded_results()[0]
+
+
+def assert_trees_match(got: dict, want: dict):
+  assert got.keys() == want.keys()
+  assert got, "nothing to compare"
+  for k in want:
+    a, b = got[k], want[k]
+    assert a.shape == b.shape and a.dtype == b.dtype, k
+    if np.issubdtype(b.dtype, np.floating):
+      scale = max(1.0, float(np.max(np.abs(b), initial=0.0)))
+      err = float(np.max(np.abs(a - b), initial=0.0)) / scale
+      assert err <= RTOL, f"{k}: relative error {err:.2e}"
+    else:
+      np.testing.assert_array_equal(a, b, err_msg=k)
+
+
+@pytest.mark.parametrize("run", ["core", "explicit", "sparse"])
+def test_sharded_equals_unsharded(report, run):
+  if run not in report:
+    pytest.skip("the package has no periodic_mask/sparse_state")
+  got = runs.sharded_arrays(run)
+  assert_trees_match(got, runs.reference(run))
+  # The masks really vary (a run with an all-ones mask would prove little).
+  masks = [v for k, v in got.items() if k.startswith("masks/") and v.size > 1]
+  assert any(not m.all() for m in masks) and any(m.any() for m in masks)
+
+
+def test_covers_every_transform(report):
+  names = {k.split("'")[1] for k in runs.sharded_arrays("core") if k.startswith("par")}
+  assert names == set(runs.worker.core_transforms())
+  for expected in ("magma", "skip_update", "bernoulli_mask", "alignment_mask"):
+    assert any(n.startswith(expected) for n in names)
+  assert "damping_row" in names
+
+
+def test_data_and_model_parallel_mlp(report):
+  got = runs.sharded_arrays("mlp")
+  want = runs.reference_mlp()
+  assert_trees_match(
+    {k: v for k, v in got.items() if k != "losses"},
+    {k: v for k, v in want.items() if k != "losses"},
+  )
+  np.testing.assert_allclose(got["losses"], want["losses"], rtol=1e-5)
+  assert got["losses"][-1] < got["losses"][0]
+
+
+@pytest.mark.parametrize("run", ["core", "explicit"])
+def test_state_follows_parameter_shardings(report, run):
+  r = report[run]
+  assert r["state_matches_helper"]
+  params = r["params"]
+  checked = 0
+  for path, leaf in r["state"].items():
+    if leaf["ndim"] == 0:  # counts, keys, active fractions
+      assert leaf["replicated"], path
+      continue
+    case, name = path.split("'")[1], path.split("'")[-2]
+    param = params.get(f"['{case}']['{name}']")
+    if param is not None and leaf["ndim"] == param["ndim"] and ".mask[" not in path:
+      # Moments (mu, nu, trace, own momentum) and element-wise scores.
+      if "bernoulli_mask_tile" not in path:
+        assert leaf["spec"] == param["spec"], path
+        checked += 1
+  assert checked >= {"core": 30, "explicit": 10}[run]
+
+
+@pytest.mark.parametrize("run", ["core", "explicit", "mlp"])
+def test_no_parameter_sized_collectives(report, run):
+  ops = report[run]["collectives"]
+  assert any(op == "all-reduce" for op, _ in ops)  # the per-block partial sums
+  big = [(op, n) for op, n in ops if n >= SMALLEST_MATRIX]
+  assert not big, f"parameter-sized collectives in the compiled step: {big}"
+
+
+@pytest.mark.xfail(
+  reason="periodic_mask / sparse_state: the compiled sharded step all-gathers"
+  " parameter-sized arrays (up to a whole 16x16 leaf; the exact top-k needs a"
+  " global order). Found here, left to the sparse-training owner.",
+  strict=False,
+)
+def test_sparse_wrappers_no_parameter_sized_gathers(report):
+  if "sparse" not in report:
+    pytest.skip("the package has no periodic_mask/sparse_state")
+  big = [(op, n) for op, n in report["sparse"]["collectives"] if n >= SMALLEST_MATRIX]
+  assert not big, big
+
+
+@pytest.mark.parametrize("run", ["core", "explicit", "sparse", "mlp"])
+def test_compiles_once(report, run):
+  if run not in report:
+    pytest.skip("the package has no periodic_mask/sparse_state")
+  compiles = report[run]["compiles_per_step"]
+  assert compiles[0] <= 1 and not any(compiles[1:]), compiles
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row", "column"])
+def test_shard_map_block_cosine(report, granularity):
+  r = report["shard_map_cosine"][granularity]
+  assert r["finite"]
+  assert r["err"] < 1e-6
+  assert r["local_differs"]  # without axis_name the answer is wrong
+
+
+# --- the helpers on this process's single device (abstract shapes only) ----------
+
+
+def _mesh():
+  return jax.make_mesh((1, 1), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def _abstract(shape, spec):
+  return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(_mesh(), spec))
+
+
+@pytest.mark.parametrize(
+  "granularity, stack_axes, shape, spec, want",
+  [
+    ("tensor", 0, (16, 8), P("x", "y"), P()),
+    ("row", 0, (16, 8), P("x", "y"), P("x")),
+    ("column", 0, (16, 8), P("x", "y"), P("y")),
+    ("element", 0, (16, 8), P("x", "y"), P("x", "y")),
+    ((4, 4), 0, (16, 8), P("x", "y"), P("x", "y")),
+    ("tensor", 1, (4, 16, 8), P("x", None, "y"), P("x")),
+    ("row", 1, (4, 16, 8), P(None, "x", "y"), P(None, "x")),
+    ("column", 1, (4, 16, 8), P(None, "x", "y"), P(None, "y")),
+    ("row", 0, (8, 8), P("x", "y"), P()),  # square: row or column? replicate
+  ],
+)
+def test_state_shardings_of_block_arrays(granularity, stack_axes, shape, spec, want):
+  tx = magma.magma(optax.adam(1e-3), granularity=granularity, stack_axes=stack_axes)
+  params = {"w": _abstract(shape, spec)}
+  shardings = magma.sharding.state_shardings(tx, params)
+  assert shardings.inner_state[0].mu["w"].spec == spec
+  assert shardings.mask_state.scores["w"].spec == want
+  assert shardings.mask_state.mask["w"].spec == want
+  assert shardings.mask_state.count.spec == P()
+  assert shardings.mask_state.key.spec == P()
+  # The same shardings come with abstract_state, the checkpoint restore target.
+  abstract = magma.sharding.abstract_state(tx, params)
+  assert abstract.mask_state.scores["w"].sharding.spec == want
+  assert (
+    abstract.mask_state.key.dtype
+    == jax.eval_shape(tx.init, params).mask_state.key.dtype
+  )
+
+
+def test_state_shardings_with_masked_leaves_and_chains():
+  params = {"w": _abstract((8, 4), P("x")), "b": _abstract((4,), P())}
+  tx = optax.chain(
+    optax.adam(1e-3),
+    magma.bernoulli_mask(0.5, where=lambda path, x: x.ndim == 2),
+  )
+  shardings = magma.sharding.state_shardings(tx, params)
+  assert shardings[0][0].mu["w"].spec == P("x")
+  assert isinstance(shardings[1].mask["b"], optax.MaskedNode)
+  state = jax.jit(tx.init, out_shardings=shardings)(
+    jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), params)
+  )
+  assert state[0][0].mu["w"].sharding.spec == P("x")
+
+
+def test_single_device_params_without_mesh():
+  params = {"w": jnp.ones((4, 3))}  # SingleDeviceSharding
+  tx = magma.skip_update(optax.sgd(0.1), granularity="row")
+  state = magma.sharding.init(tx, params)
+  assert state.mask_state.mask["w"].shape == (4,)
+
+
+def test_errors_name_the_problem():
+  tx = magma.magma(optax.adam(1e-3))
+  with pytest.raises(ValueError, match="carry a sharding"):
+    magma.sharding.state_shardings(tx, {"w": np.ones((2, 2), np.float32)})
+  with pytest.raises(ValueError, match="one shape"):
+    magma.sharding.block_cosine(jnp.ones((2, 3)), jnp.ones((3, 2)))
+  with pytest.raises(ValueError, match="granularity"):
+    magma.sharding.block_cosine(jnp.ones(3), jnp.ones(3), granularity="rows")
+
+
+def test_block_cosine_matches_numpy():
+  rng = np.random.default_rng(0)
+  a = rng.normal(size=(3, 5)).astype(np.float32)
+  b = rng.normal(size=(3, 5)).astype(np.float32)
+  b[1] = 0.0
+  got = np.asarray(
+    magma.sharding.block_cosine(jnp.asarray(a), jnp.asarray(b), granularity="row")
+  )
+  norms = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
+  want = np.where(norms > 0, (a * b).sum(1) / np.where(norms > 0, norms, 1), 0.0)
+  np.testing.assert_allclose(got, want, atol=1e-6)
+  assert got[1] == 0.0
