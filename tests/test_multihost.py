@@ -1,0 +1,98 @@
+"""Multi-host safety: masks depend only on (key, step, leaf, block).
+
+The guarantee (documented in magma_optax.sharding): the mask of leaf ``i`` at step
+``t`` is ``bernoulli(fold_in(fold_in(key, t), i), keep_prob, block_shape)``. Nothing
+else enters -- not the device count, the mesh, the shardings, the process, nor the
+gradients -- so every host of a multi-host job draws the same masks.
+"""
+
+from __future__ import annotations
+
+import _sharding_runs as runs
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import magma_optax as magma
+
+
+@pytest.mark.parametrize("run", ["core", "explicit"])
+def test_eight_devices_and_one_device_draw_identical_masks(run):
+  got = runs.sharded_arrays(run)
+  want = runs.reference(run)
+  keys = [k for k in want if k.startswith("masks/")]
+  assert len(keys) >= 30
+  for k in keys:
+    np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+  assert {k for k in got if k.startswith("masks/")} == set(keys)
+
+
+TRANSFORMS = {
+  "magma": lambda key, **kw: magma.magma(optax.adam(0.1), key=key, **kw),
+  "skip_update": lambda key, **kw: magma.skip_update(optax.sgd(0.1), key=key, **kw),
+  "bernoulli_mask": lambda key, **kw: magma.bernoulli_mask(0.5, key=key, **kw),
+  "alignment_mask": lambda key, **kw: magma.alignment_mask(key=key, **kw),
+}
+PARAMS = {"a": jnp.ones((6, 4)), "b": jnp.ones((5,)), "c": jnp.ones((2, 3, 4))}
+
+
+def _train_masks(tx, grad_seed, steps=4, params=PARAMS):
+  """The block masks drawn at each step, as numpy, for gradients from grad_seed."""
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  out = []
+  for t in range(steps):
+    key = jax.random.fold_in(jax.random.key(grad_seed), t)
+    grads = {
+      name: jax.random.normal(jax.random.fold_in(key, j), x.shape)
+      for j, (name, x) in enumerate(sorted(params.items()))
+    }
+    _, state = update(grads, state, params)
+    out.append(jax.tree.map(np.asarray, magma.mask_stats(state)["mask"]))
+  return out
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMS))
+@pytest.mark.parametrize("granularity", ["tensor", "row"])
+def test_mask_is_the_documented_function_of_key_step_leaf_block(name, granularity):
+  key = jax.random.key(1234)
+  tx = TRANSFORMS[name](key, granularity=granularity)
+  masks = _train_masks(tx, grad_seed=0)
+  leaves, _ = jax.tree.flatten(PARAMS)
+  for t, step_masks in enumerate(masks):
+    for i, (x, z) in enumerate(zip(leaves, jax.tree.leaves(step_masks), strict=True)):
+      layout = magma.block_layout(x.shape, granularity)
+      want = jax.random.bernoulli(
+        jax.random.fold_in(jax.random.fold_in(key, t), i), 0.5, layout.block_shape
+      )
+      np.testing.assert_array_equal(z, np.asarray(want), err_msg=f"step {t} leaf {i}")
+
+
+def test_masks_ignore_gradients_and_parameter_values_but_not_the_key():
+  a = _train_masks(TRANSFORMS["magma"](7, granularity="row"), grad_seed=1)
+  b = _train_masks(TRANSFORMS["magma"](7, granularity="row"), grad_seed=2)
+  other_params = jax.tree.map(lambda x: -3.0 * x, PARAMS)
+  c = _train_masks(
+    TRANSFORMS["magma"](7, granularity="row"), grad_seed=3, params=other_params
+  )
+  d = _train_masks(TRANSFORMS["magma"](8, granularity="row"), grad_seed=1)
+  flat = lambda m: np.concatenate([z.ravel() for s in m for z in jax.tree.leaves(s)])
+  np.testing.assert_array_equal(flat(a), flat(b))
+  np.testing.assert_array_equal(flat(a), flat(c))
+  assert not np.array_equal(flat(a), flat(d))
+  # Across steps the draws change (they are not one fixed mask).
+  assert not np.array_equal(flat(a[:1]), flat(a[1:2]))
+
+
+def test_stacked_blocks_draw_per_slice_from_the_same_formula():
+  key = jax.random.key(5)
+  params = {"layers": jnp.ones((3, 4, 4))}
+  tx = magma.skip_update(optax.sgd(0.1), key=key, stack_axes=1)
+  masks = _train_masks(tx, grad_seed=0, steps=2, params=params)
+  for t, m in enumerate(masks):
+    want = jax.random.bernoulli(
+      jax.random.fold_in(jax.random.fold_in(key, t), 0), 0.5, (3,)
+    )
+    np.testing.assert_array_equal(m["layers"], np.asarray(want))
