@@ -1,0 +1,228 @@
+"""The fused masked-Adam kernel: XLA vs plain numpy, Pallas (interpret) vs XLA.
+
+Pallas runs in interpret mode on CPU, so shapes are small and every grid has at most
+16 steps (the block sizes are chosen per case).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from magma_optax import _blocks
+from magma_optax import kernels
+from magma_optax.kernels import api
+from magma_optax.kernels import pallas_gpu
+
+B1, B2, EPS = 0.9, 0.999, 1e-8
+
+
+def _inputs(shape, dtype, seed=0):
+  k = jax.random.split(jax.random.key(seed), 5)
+  g = jax.random.normal(k[0], shape, jnp.float32)
+  m = 0.1 * jax.random.normal(k[1], shape, jnp.float32)
+  v = jax.random.uniform(k[2], shape, jnp.float32) * 0.01
+  p = jax.random.normal(k[3], shape, jnp.float32)
+  pm = jax.random.bernoulli(k[4], 0.7, shape)
+  cast = lambda x: x.astype(dtype)
+  return cast(g), cast(m), cast(v), cast(p), pm
+
+
+def _numpy_adam(g, m, v, p, pm, scale_leaf, count, lr, wd):
+  """Independent float64 numpy version of one masked AdamW step."""
+  g, m, v, p = (np.asarray(x, np.float64) for x in (g, m, v, p))
+  new_m = B1 * m + (1 - B1) * g
+  new_v = B2 * v + (1 - B2) * g * g
+  u = (new_m / (1 - B1**count)) / (np.sqrt(new_v / (1 - B2**count)) + EPS)
+  u = -lr * scale_leaf * (u + wd * p)
+  if pm is not None:
+    pm = np.asarray(pm)
+    new_m, new_v = np.where(pm, new_m, m), np.where(pm, new_v, v)
+    u = np.where(pm, u, 0.0)
+  return new_m, new_v, u
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("granularity", ["tensor", "row", "column"])
+def test_reference_matches_numpy(granularity, masked):
+  shape = (6, 10)
+  g, m, v, p, pm = _inputs(shape, jnp.float32)
+  pm = pm if masked else None
+  layout = _blocks.block_layout(shape, granularity)
+  scale = jnp.linspace(0.1, 1.0, layout.num_blocks).reshape(layout.block_shape)
+  out = kernels.masked_adam(
+    g, m, v, count=3, learning_rate=1e-2, weight_decay=0.05, params=p,
+    param_mask=pm, scale=scale, layout=layout, implementation="xla",
+  )  # fmt: skip
+  want_m, want_v, want_u = _numpy_adam(
+    g, m, v, p, pm, np.asarray(layout.to_leaf(scale)), 3, 1e-2, 0.05
+  )
+  np.testing.assert_allclose(out.mu, want_m, rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(out.nu, want_v, rtol=1e-6, atol=1e-9)
+  np.testing.assert_allclose(out.update, want_u, rtol=1e-5, atol=1e-9)
+  keep = np.ones(shape, bool) if pm is None else np.asarray(pm)
+  mm, gg = np.where(keep, want_m, 0.0), np.where(keep, np.asarray(g, np.float64), 0)
+  block_sum = lambda x: np.asarray(layout.block_sum(jnp.asarray(x)))
+  np.testing.assert_allclose(out.mu_dot_grad, block_sum(mm * gg), rtol=1e-5)
+  np.testing.assert_allclose(out.mu_sq_norm, block_sum(mm * mm), rtol=1e-5)
+  np.testing.assert_allclose(out.grad_sq_norm, block_sum(gg * gg), rtol=1e-5)
+
+
+# (shape, granularity, stack_axes, block sizes): odd sizes that need padding of both
+# the columns and the rows, several blocks per leaf, one element per block.
+PALLAS_CASES = [
+  ((13, 50), "row", 0, kernels.BlockSizes(8, 16)),  # 4 padded rows per block
+  ((3, 7, 11), "tensor", 0, kernels.BlockSizes(4, 32)),
+  ((4, 5, 6), "tensor", 1, kernels.BlockSizes(2, 32)),
+  ((5, 3), "element", 0, kernels.BlockSizes(4, 1)),
+  ((129,), "tensor", 0, None),
+]
+
+
+def _grid_steps(shape, granularity, stack_axes, sizes):
+  layout = _blocks.block_layout(shape, granularity, stack_axes)
+  sizes = sizes or kernels.BlockSizes.get_default(layout.block_size, layout.num_blocks)
+  rows_per_block = -(-layout.block_size // sizes.block_cols)
+  return -(-(layout.num_blocks * rows_per_block) // sizes.block_rows)
+
+
+def test_pallas_cases_are_small():
+  for shape, gran, stack, sizes in PALLAS_CASES:
+    assert _grid_steps(shape, gran, stack, sizes) <= 16, (shape, gran)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("case", range(len(PALLAS_CASES)))
+def test_pallas_interpret_matches_xla(case, dtype):
+  shape, granularity, stack_axes, sizes = PALLAS_CASES[case]
+  g, m, v, p, pm = _inputs(shape, dtype, seed=case)
+  layout = _blocks.block_layout(shape, granularity, stack_axes)
+  scale = jax.random.uniform(jax.random.key(10 + case), layout.block_shape)
+  use_mask = case % 2 == 0  # half the cases with a parameter mask, half with decay
+  kw = dict(
+    count=jnp.asarray(4, jnp.int32),
+    learning_rate=jnp.asarray(3e-3),
+    scale=scale,
+    layout=layout,
+    param_mask=pm if use_mask else None,
+    params=None if use_mask else p,
+    weight_decay=0.0 if use_mask else 0.1,
+  )
+  want = kernels.masked_adam(g, m, v, implementation="xla", **kw)
+  got = kernels.masked_adam(
+    g, m, v, implementation="pallas", interpret=True, block_sizes=sizes, **kw
+  )
+  tol = dict(rtol=1e-5, atol=1e-7) if dtype == jnp.float32 else dict(rtol=1e-2)
+  for name in ("mu", "nu", "update"):
+    a, b = getattr(got, name), getattr(want, name)
+    assert a.dtype == b.dtype == dtype, name
+    assert a.shape == shape
+    # bf16: both paths compute in f32 and round once; allow one bf16 ulp.
+    np.testing.assert_allclose(
+      np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name, **tol
+    )
+  for name in ("mu_dot_grad", "mu_sq_norm", "grad_sq_norm"):
+    a, b = getattr(got, name), getattr(want, name)
+    assert a.dtype == jnp.float32 and a.shape == layout.block_shape, name
+    # f32 accumulation in a different order (per-row partials, then per block).
+    rtol = 2e-5 if dtype == jnp.float32 else 1e-4
+    np.testing.assert_allclose(a, b, rtol=rtol, atol=1e-6, err_msg=name)
+  if use_mask:  # entries that do not exist keep their moments and get no update
+    off = ~np.asarray(pm)
+    np.testing.assert_array_equal(np.asarray(got.mu)[off], np.asarray(m)[off])
+    np.testing.assert_array_equal(np.asarray(got.update)[off], 0)
+
+
+def test_pallas_scale_callable_uses_exact_derived_sums():
+  shape = (16, 24)
+  g, m, v, _, _ = _inputs(shape, jnp.float32, seed=7)
+  layout = _blocks.block_layout(shape, "row")
+  seen = {}
+
+  def scale(dot, mm, gg):
+    seen["sums"] = (dot, mm, gg)
+    return jax.nn.sigmoid(dot / jnp.sqrt(mm * gg))
+
+  kw = dict(count=2, learning_rate=1e-3, layout=layout, scale=scale)
+  got = kernels.masked_adam(
+    g, m, v, implementation="pallas", interpret=True,
+    block_sizes=kernels.BlockSizes(8, 32), **kw,
+  )  # fmt: skip
+  derived = seen["sums"]
+  want = kernels.masked_adam(g, m, v, implementation="xla", **kw)
+  # The sums derived from m_{t-1} equal the kernel's direct sums of m_t.
+  for d, direct in zip(derived, got[3:], strict=True):
+    np.testing.assert_allclose(d, direct, rtol=1e-5)
+  np.testing.assert_allclose(got.update, want.update, rtol=1e-5, atol=1e-9)
+
+
+def test_carried_and_derived_sums_equal_direct():
+  shape = (8, 12)
+  g, m, _, _, _ = _inputs(shape, jnp.float32, seed=3)
+  layout = _blocks.block_layout(shape, "row")
+  new_m = 0.9 * m + 0.1 * g
+  dot = layout.block_sum(new_m * g)
+  mm = layout.block_sum(new_m * new_m)
+  gg = layout.block_sum(g * g)
+  derived = api.derived_sums(layout, m, g, 0.9)
+  carried = api.carried_sums(layout, new_m, g, layout.block_sum(m * m), 0.9)
+  for got in (derived, carried):
+    for a, b in zip(got, (dot, mm, gg), strict=True):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_explicit_pallas_off_accelerator_fails_with_reason():
+  if jax.default_backend() != "cpu":
+    pytest.skip("checks the CPU message")
+  g = jnp.ones((4, 4))
+  for request in ("pallas", ("pallas",)):
+    with pytest.raises(ValueError, match="interpret=True") as err:
+      kernels.masked_adam(g, g, g, count=1, learning_rate=1e-3, implementation=request)
+    assert "GPU" in str(err.value) and "'cpu'" in str(err.value)
+
+
+def test_default_and_sequence_fall_back_to_xla():
+  layout = _blocks.block_layout((4, 4), "tensor")
+  col = _blocks.block_layout((4, 4), "column")
+  want = "xla" if jax.default_backend() == "cpu" else "pallas"
+  assert kernels.resolve_implementation(None, layout=layout) == want
+  assert kernels.resolve_implementation(("pallas", "xla"), layout=layout) == want
+  assert (
+    kernels.resolve_implementation("pallas", layout=layout, interpret=True) == "pallas"
+  )
+  # Non-contiguous blocks: the default falls back, an explicit request says why.
+  assert kernels.resolve_implementation(None, layout=col, interpret=True) == "xla"
+  with pytest.raises(ValueError, match="contiguous"):
+    kernels.resolve_implementation("pallas", layout=col, interpret=True)
+  with pytest.raises(ValueError, match="implementation must be one of"):
+    kernels.resolve_implementation("triton", layout=layout)
+  with pytest.raises(ValueError, match="empty"):
+    kernels.resolve_implementation((), layout=layout)
+  with pytest.raises(ValueError, match="contiguous"):
+    pallas_gpu.masked_adam_pallas(
+      jnp.ones((4, 4)), jnp.ones((4, 4)), jnp.ones((4, 4)), jnp.ones(4),
+      kernels.AdamConstants(), layout=col, interpret=True,
+    )  # fmt: skip
+
+
+def test_block_sizes_config():
+  assert kernels.BlockSizes.get_default(3_000_000, 1) == kernels.BlockSizes(4, 1024, 4)
+  small = kernels.BlockSizes.get_default(50, 37)
+  assert small.block_cols == 64 and small.block_rows * small.block_cols <= 4096
+  one = kernels.BlockSizes.get_default(1, 15)
+  assert one.block_cols == 1 and one.block_rows == 16
+  for bad in (dict(block_rows=3), dict(block_cols=0), dict(num_warps=3)):
+    with pytest.raises(ValueError):
+      kernels.BlockSizes(**bad)
+
+
+def test_shape_checks():
+  with pytest.raises(ValueError, match="one shape"):
+    kernels.masked_adam(
+      jnp.ones(3), jnp.ones(4), jnp.ones(3), count=1, learning_rate=1.0
+    )
+  with pytest.raises(ValueError, match="layout is for shape"):
+    kernels.masked_adam(
+      jnp.ones(3), jnp.ones(3), jnp.ones(3), count=1, learning_rate=1.0,
+      layout=_blocks.block_layout((4,), "tensor"),
+    )  # fmt: skip
