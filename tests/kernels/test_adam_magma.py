@@ -1,0 +1,209 @@
+"""adam_magma: the same updates, masks and scores as magma(optax.adam / adamw).
+
+Tolerance: updates agree to rtol 1e-5 / atol 1e-9 (lr 1e-2, updates ~1e-3): the fused
+path forms the block sums in another order (and carries ||mu||^2), float32 rounding
+only. The Bernoulli masks are equal exactly (same draw functions, same key).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import magma_optax as magma
+
+STEPS = 4
+TOL = dict(rtol=1e-5, atol=1e-9)
+
+
+def _params():
+  k = jax.random.split(jax.random.key(0), 4)
+  return {
+    "attn": {"q_proj": {"kernel": jax.random.normal(k[0], (6, 10))}},
+    "mlp": {"up_proj": {"kernel": jax.random.normal(k[1], (3, 4, 5))}},
+    "norm": {"scale": jax.random.normal(k[2], (33,))},
+  }
+
+
+def _grads(params, t):
+  key = jax.random.fold_in(jax.random.key(1), t)
+  return jax.tree.map(
+    lambda x: jax.random.normal(jax.random.fold_in(key, x.size), x.shape) + 0.3 * x,
+    params,
+  )
+
+
+def _run(tx, params, steps=STEPS, **extra):
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  out = []
+  for t in range(steps):
+    u, state = update(_grads(params, t), state, params, **extra)
+    params = optax.apply_updates(params, u)
+    out.append(u)
+  return out, state, update
+
+
+@pytest.fixture(scope="module")
+def params():
+  return _params()
+
+
+CASES = {
+  "adam-tensor": dict(),
+  "adamw-row": dict(weight_decay=0.1, granularity="row"),
+  "adam-column-scoped": dict(granularity="column", where=magma.attention_mlp_weights),
+  "adam-by-label": dict(keep_prob={"attention": 0.7, "mlp": 0.4}),
+  "adam-schedules": dict(
+    learning_rate=optax.linear_schedule(1e-2, 1e-3, 4), tau=lambda c: 2.0 + c
+  ),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_equals_magma_wrapper(params, name):
+  kw = dict(CASES[name])
+  lr = kw.pop("learning_rate", 1e-2)
+  wd = kw.pop("weight_decay", 0.0)
+  base = optax.adamw(lr, weight_decay=wd) if wd else optax.adam(lr)
+  want, want_state, _ = _run(magma.magma(base, key=5, **kw), params)
+  got, got_state, update = _run(
+    magma.adam_magma(lr, weight_decay=wd, key=5, implementation="xla", **kw),
+    params,
+  )
+  for u_got, u_want in zip(got, want, strict=True):
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOL), u_got, u_want)
+  stats_got, stats_want = magma.mask_stats(got_state), magma.mask_stats(want_state)
+  jax.tree.map(np.testing.assert_array_equal, stats_got["mask"], stats_want["mask"])
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+    stats_got["scores"],
+    stats_want["scores"],
+  )
+  np.testing.assert_allclose(
+    stats_got["active_fraction"], stats_want["active_fraction"]
+  )
+  assert int(stats_got["step"]) == STEPS
+  # Adam's moments are where optax keeps them, and equal.
+  inner = want_state.inner_state
+  mu = optax.tree_utils.tree_get(inner, "mu")
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOL), got_state.mu, mu)
+  assert update._cache_size() == 1  # compiled once for all steps
+
+
+def test_pallas_interpret_equals_wrapper(params):
+  kw = dict(key=2, granularity="row")
+  want, _, _ = _run(magma.magma(optax.adam(1e-2), **kw), params, steps=2)
+  got, state, _ = _run(
+    magma.adam_magma(1e-2, implementation="pallas", interpret=True, **kw),
+    params,
+    steps=2,
+  )
+  for u_got, u_want in zip(got, want, strict=True):
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOL), u_got, u_want)
+  # The carried ||mu||^2 is the kernel's exact one.
+  jax.tree.map(
+    lambda n, m: np.testing.assert_allclose(n, jnp.sum(m * m, -1), rtol=1e-5),
+    state.mu_sq_norm,
+    state.mu,
+  )
+
+
+def test_carried_norm_stays_exact_over_many_steps():
+  p = {"w": jnp.ones((4, 8))}
+  tx = magma.adam_magma(1e-2, implementation="xla")
+  state = tx.init(p)
+
+  def body(state, t):
+    g = {"w": jnp.sin(jnp.arange(32.0).reshape(4, 8) * (t + 1.0))}
+    return tx.update(g, state, p)[1], None
+
+  state, _ = jax.lax.scan(body, state, jnp.arange(200.0))
+  want = jnp.sum(state.mu["w"] ** 2)
+  np.testing.assert_allclose(state.mu_sq_norm["w"], want, rtol=1e-5)
+
+
+def _numpy_masked_magma(params, grads_list, param_masks, lr=1e-2, key=5):
+  """Independent float64 Adam+Magma with a parameter mask (one tensor block)."""
+  mask_tx = magma.adam_magma(lr, key=key, implementation="xla")
+  # The Bernoulli draws are the package's (their equality is tested above); the
+  # arithmetic below is numpy's own.
+  state = mask_tx.init(params)
+  m = np.zeros(params.shape)
+  v = np.zeros(params.shape)
+  s = 0.5
+  outs = []
+  for t, (g, pm) in enumerate(zip(grads_list, param_masks, strict=True)):
+    _, state = mask_tx.update(g, state, params, param_mask=pm)
+    z = float(magma.mask_stats(state)["mask"])
+    g = np.asarray(g, np.float64)
+    pm = np.asarray(pm)
+    new_m = np.where(pm, 0.9 * m + 0.1 * g, m)
+    new_v = np.where(pm, 0.999 * v + 0.001 * g * g, v)
+    a, b = np.where(pm, new_m, 0), np.where(pm, g, 0)
+    cos = float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+    s = 0.9 * s + 0.1 / (1 + np.exp(-cos / 2.0))
+    c = t + 1
+    u = (new_m / (1 - 0.9**c)) / (np.sqrt(new_v / (1 - 0.999**c)) + 1e-8)
+    outs.append(np.where(pm, -lr * s * z * u, 0.0))
+    m, v = new_m, new_v
+  return outs
+
+
+def test_param_mask_matches_numpy():
+  p = jnp.linspace(-1.0, 1.0, 24)
+  keys = jax.random.split(jax.random.key(3), 8)
+  grads = [jax.random.normal(keys[t], (24,)) for t in range(4)]
+  pms = [jax.random.bernoulli(keys[4 + t], 0.6, (24,)) for t in range(4)]
+  want = _numpy_masked_magma(p, grads, pms)
+  tx = magma.adam_magma(1e-2, key=5, implementation="xla")
+  state = tx.init(p)
+  for g, pm, w in zip(grads, pms, want, strict=True):
+    u, state = jax.jit(tx.update)(g, state, p, param_mask=pm)
+    np.testing.assert_allclose(u, w, rtol=1e-5, atol=1e-9)
+    np.testing.assert_array_equal(np.asarray(u)[~np.asarray(pm)], 0)
+  np.testing.assert_allclose(state.mu_sq_norm, jnp.sum(state.mu**2), rtol=1e-6)
+
+
+def test_bfloat16_params_keep_dtypes_and_track_wrapper():
+  p = {"w": jnp.linspace(-1, 1, 48).reshape(6, 8).astype(jnp.bfloat16)}
+  g = {"w": jnp.cos(jnp.arange(48.0)).reshape(6, 8).astype(jnp.bfloat16)}
+  tx = magma.adam_magma(1e-2, key=1, implementation="xla")
+  u, state = tx.update(g, tx.init(p), p)
+  assert u["w"].dtype == state.mu["w"].dtype == state.nu["w"].dtype == jnp.bfloat16
+  ref = magma.magma(optax.adam(1e-2), key=1)
+  want, _ = ref.update(g, ref.init(p), p)
+  # optax computes in bf16, the kernel in f32 and rounds once: a few bf16 ulps.
+  np.testing.assert_allclose(
+    np.asarray(u["w"], np.float32), np.asarray(want["w"], np.float32), rtol=3e-2
+  )
+
+
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
+    (dict(b1=1.0), "b1"),
+    (dict(b2=-0.1), "b2"),
+    (dict(eps=-1.0), "eps"),
+    (dict(tau=0.0), "tau"),
+    (dict(keep_prob=0.0), "keep_prob"),
+    (dict(weight_decay=-1.0), "weight_decay"),
+    (dict(granularity="rows"), "granularity"),
+    (dict(implementation="cuda"), "implementation"),
+  ],
+)
+def test_bad_hyperparameters_raise(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    magma.adam_magma(1e-3, **kwargs)
+
+
+def test_weight_decay_needs_params_and_pallas_needs_accelerator():
+  p = {"w": jnp.ones((2, 3))}
+  tx = magma.adam_magma(1e-3, weight_decay=0.1)
+  with pytest.raises(ValueError, match="needs the params"):
+    tx.update(p, tx.init(p))
+  if jax.default_backend() == "cpu":
+    tx = magma.adam_magma(1e-3, implementation="pallas")
+    with pytest.raises(ValueError, match="interpret=True"):
+      tx.update(p, tx.init(p), p)
