@@ -203,15 +203,20 @@ def _top_k_mask(score: jax.Array, active: jax.Array, k: jax.Array) -> jax.Array:
   above = key > t
   room = k - jnp.sum(above, dtype=jnp.int32)
   tied = key == t
-  tied_active = tied & active
-  tied_inactive = tied & ~active
-  rank_active = jnp.cumsum(tied_active, dtype=jnp.int32)
-  rank_inactive = jnp.cumsum(tied_inactive, dtype=jnp.int32)
-  keep = (
-    above
-    | (tied_active & (rank_active <= room))
-    | (tied_inactive & (rank_inactive <= room - jnp.sum(tied_active, dtype=jnp.int32)))
-  )
+
+  def split_ties():
+    # Rare with continuous scores: more entries tie at the threshold than fit.
+    tied_active = tied & active
+    tied_inactive = tied & ~active
+    rank_active = jnp.cumsum(tied_active, dtype=jnp.int32)
+    rank_inactive = jnp.cumsum(tied_inactive, dtype=jnp.int32)
+    room_inactive = room - jnp.sum(tied_active, dtype=jnp.int32)
+    return (tied_active & (rank_active <= room)) | (
+      tied_inactive & (rank_inactive <= room_inactive)
+    )
+
+  all_fit = jnp.sum(tied, dtype=jnp.int32) <= room
+  keep = above | jax.lax.cond(all_fit, lambda: tied, split_ties)
   return (keep & (k > 0)).reshape(score.shape)
 
 
@@ -504,29 +509,39 @@ def periodic_mask(
       is_refresh = is_refresh & (count <= end)
     target = _schedules.evaluate(sparsity, count)
 
-    def refresh(inner_state):
+    scoped = [i for i, p in enumerate(plans) if p.layout is not None]
+    total = max(sum(old[i].size for i in scoped), 1)
+
+    # Only the masks go through the cond: passing the inner state through it would
+    # copy every moment on every step. The reset below is a `where` that XLA fuses
+    # into the inner optimizer's moment update.
+    def refresh():
       masks = new_masks(plans, param_leaves, grads, old, target)
-      regrown = [
-        None if p.layout is None else masks[i] & ~old[i] for i, p in enumerate(plans)
-      ]
       num = sum(
-        (jnp.sum(r, dtype=jnp.int32) for r in regrown if r is not None),
+        (jnp.sum(masks[i] & ~old[i], dtype=jnp.int32) for i in scoped),
         jnp.zeros([], jnp.int32),
       )
-      inner_state = reset_moments(inner_state, regrown, treedef, moment_names)
-      return masks, inner_state, target, num
+      kept = sum(
+        (jnp.sum(masks[i], dtype=jnp.float32) for i in scoped),
+        jnp.zeros([], jnp.float32),
+      )
+      return masks, target, num, 1.0 - kept / total
 
-    def keep(inner_state):
-      return old, inner_state, state.target_sparsity, jnp.zeros([], jnp.int32)
+    def keep():
+      return old, state.target_sparsity, jnp.zeros([], jnp.int32), state.sparsity
 
-    masks, inner_state, target_now, num_regrown = jax.lax.cond(
-      is_refresh, refresh, keep, state.inner_state
+    masks, target_now, num_regrown, sparsity_now = jax.lax.cond(
+      is_refresh, refresh, keep
     )
+    regrown = [
+      None if p.layout is None else masks[i] & ~old[i] for i, p in enumerate(plans)
+    ]
+    inner_state = reset_moments(state.inner_state, regrown, treedef, moment_names)
     mask_tree = treedef.unflatten(masks)
     inner_updates, inner_state = inner.update(
       updates, inner_state, params, param_mask=mask_tree, **extra_args
     )
-    out, kept, total = [], jnp.zeros([], jnp.float32), 0
+    out = []
     for p, u, w, m in zip(
       plans, treedef.flatten_up_to(inner_updates), param_leaves, masks, strict=True
     ):
@@ -534,13 +549,11 @@ def periodic_mask(
         out.append(u)
         continue
       out.append(jnp.where(m, u, -jnp.asarray(w).astype(u.dtype)))
-      kept = kept + jnp.sum(m, dtype=jnp.float32)
-      total += m.size
     new_state = PeriodicMaskState(
       count=optax.safe_increment(count),
       mask=mask_tree,
       target_sparsity=jnp.asarray(target_now, jnp.float32),
-      sparsity=1.0 - kept / max(total, 1),
+      sparsity=jnp.asarray(sparsity_now, jnp.float32),
       num_regrown=num_regrown,
       inner_state=inner_state,
     )
