@@ -1,0 +1,180 @@
+"""Sparse optimizer state: memory and step time against dense Adam; mask-refresh cost.
+
+Prints two tables:
+
+1. For densities 0.1 / 0.3 / 0.5 / 1.0: optimizer-state bytes and the step time of
+   ``sparse_state(adam, mode="compact")`` and ``mode="skip"`` as ratios to dense
+   ``optax.adam`` on the same parameters (the mask is an input here: its storage is
+   reported separately). Target: compact state bytes <= density + 0.05 of dense.
+2. The amortised cost of ``periodic_mask``'s refresh at ``every`` = 1, 10, 100: mean
+   step time of ``periodic_mask(adam, sparsity=0.5, every=E)`` over a window of steps,
+   as a ratio to the same wrapper whose refresh never fires (``start`` beyond the
+   window) and to plain ``optax.adam``. Target: <= 1.05 at ``every=100``.
+
+Timings are medians over ``--repeats`` rounds; within a round every configuration is
+measured once, interleaved (the order rotates between rounds), so the ratios compare
+runs under the same machine load.
+
+Usage::
+
+    python3 benchmarks/sparse_state.py --width 512 --layers 4 --steps 200 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import magma_optax as magma
+
+
+def make_params(width: int, layers: int) -> dict:
+  keys = jax.random.split(jax.random.key(0), layers)
+  return {
+    f"layer{i}": {
+      "kernel": jax.random.normal(k, (width, width)) / width**0.5,
+      "bias": jnp.zeros((width,)),
+    }
+    for i, k in enumerate(keys)
+  }
+
+
+def random_mask(params: dict, density: float) -> dict:
+  """Exactly round(density * size) active entries per leaf, at random positions."""
+
+  def one(i, x):
+    n = x.size
+    keep = int(round(density * n))
+    order = jax.random.permutation(jax.random.key(100 + i), n)
+    flat = jnp.zeros(n, bool).at[order[:keep]].set(True)
+    return flat.reshape(x.shape)
+
+  leaves, treedef = jax.tree.flatten(params)
+  return treedef.unflatten([one(i, x) for i, x in enumerate(leaves)])
+
+
+def state_bytes(state) -> int:
+  return sum(x.nbytes for x in jax.tree.leaves(state) if hasattr(x, "nbytes"))
+
+
+def timer(tx, params, grads, steps, mask=None):
+  """Returns a function timing ``steps`` jitted updates, and the initial state.
+
+  Gradients and mask are jit arguments (closed-over constants would be folded).
+  """
+
+  @jax.jit
+  def step(p, s, g, m):
+    extra = {} if m is None else {"param_mask": m}
+    u, s = tx.update(g, s, p, **extra)
+    return optax.apply_updates(p, u), s
+
+  state = tx.init(params)
+  jax.block_until_ready(step(params, state, grads, mask))  # compile
+
+  def run():
+    p, s = params, state
+    t0 = time.perf_counter()
+    for _ in range(steps):
+      p, s = step(p, s, grads, mask)
+    jax.block_until_ready((p, s))
+    return (time.perf_counter() - t0) / steps
+
+  return run, state
+
+
+def interleaved(runners: dict, repeats: int) -> dict:
+  """Median time per configuration; every round runs each once, in rotated order."""
+  keys = list(runners)
+  times = {k: [] for k in keys}
+  for r in range(repeats):
+    for k in keys[r % len(keys) :] + keys[: r % len(keys)]:
+      times[k].append(runners[k]())
+  return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--width", type=int, default=512)
+  ap.add_argument("--layers", type=int, default=4)
+  ap.add_argument("--steps", type=int, default=200)
+  ap.add_argument("--repeats", type=int, default=3)
+  args = ap.parse_args()
+
+  params = make_params(args.width, args.layers)
+  grads = jax.tree.map(lambda x: jnp.full_like(x, 0.01), params)
+  n = sum(x.size for x in jax.tree.leaves(params))
+  print(
+    f"# jax {jax.__version__} on {jax.devices()[0].platform};"
+    f" {n:,} parameters ({args.layers} x [{args.width}x{args.width} + bias]);"
+    f" {args.steps} steps x {args.repeats} rounds"
+  )
+
+  adam = optax.adam(1e-3)
+  densities = (0.1, 0.3, 0.5, 1.0)
+  runners, bytes_ = {}, {}
+  runners["dense"], st = timer(adam, params, grads, args.steps)
+  bytes_["dense"] = state_bytes(st)
+  for d in densities:
+    mask = random_mask(params, d)
+    for mode in ("compact", "skip"):
+      tx = magma.sparse_state(adam, mode=mode, density=d if mode == "compact" else None)
+      runners[mode, d], st = timer(tx, params, grads, args.steps, mask)
+      bytes_[mode, d] = state_bytes(st)
+
+  med = interleaved(runners, args.repeats)
+
+  print(
+    f"\ndense optax.adam: state {bytes_['dense']:,} B, step {med['dense'] * 1e3:.3f} ms"
+  )
+  print("\n| density | compact bytes | skip bytes | compact time | skip time |")
+  print("|---|---|---|---|---|")
+  for d in densities:
+    print(
+      f"| {d:.1f} | {bytes_['compact', d] / bytes_['dense']:.3f}"
+      f" | {bytes_['skip', d] / bytes_['dense']:.3f}"
+      f" | {med['compact', d] / med['dense']:.2f}"
+      f" | {med['skip', d] / med['dense']:.2f} |"
+    )
+  print(
+    f"\n(bytes and times are ratios to dense Adam; the bool mask itself is"
+    f" {n:,} B = {n / bytes_['dense']:.3f} of dense Adam's state; density 1.0"
+    " compact falls back to skip storage above density_threshold=0.6)"
+  )
+
+  # Refresh cost of periodic_mask.
+  window = max(args.steps, 100)
+  refresh = {}
+  refresh["adam"], _ = timer(adam, params, grads, window)
+  refresh["never"], _ = timer(
+    magma.periodic_mask(adam, sparsity=0.5, every=1, start=10**9),
+    params,
+    grads,
+    window,
+  )
+  for every in (1, 10, 100):
+    refresh[every], _ = timer(
+      magma.periodic_mask(adam, sparsity=0.5, every=every), params, grads, window
+    )
+  rmed = interleaved(refresh, args.repeats)
+  print(
+    f"\nperiodic_mask refresh, mean over {window} steps (adam step"
+    f" {rmed['adam'] * 1e3:.3f} ms):"
+  )
+  print("\n| every | vs no-refresh wrapper | vs optax.adam |")
+  print("|---|---|---|")
+  print(f"| never | 1.00 | {rmed['never'] / rmed['adam']:.2f} |")
+  for every in (1, 10, 100):
+    print(
+      f"| {every} | {rmed[every] / rmed['never']:.2f}"
+      f" | {rmed[every] / rmed['adam']:.2f} |"
+    )
+
+
+if __name__ == "__main__":
+  main()
