@@ -14,6 +14,8 @@ transform). Per scoped leaf, one of two storages is used:
   A mask with more active entries than the capacity is an error: a ``ValueError``
   when the mask is concrete, and a runtime error whose message says "capacity
   overflow" under ``jax.jit`` (raised from a host callback that runs only then).
+  Size ``density`` for the *densest* mask of the run: under a sparsity ramp the early
+  masks are dense, so use skip storage until the ramp ends (or start sparse).
   When the mask changes, moments of entries that stay active move to their new slot
   and newly active entries start from zero (so, under ``periodic_mask``, ``compact``
   equals ``skip`` numerically for element-wise bases such as Adam, RMSProp, SGD with
