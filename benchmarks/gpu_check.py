@@ -139,7 +139,7 @@ def kernel_bandwidth(num_params: int, rounds: int) -> None:
     return x + 1.0
 
   m, v, _ = fused(g, m, v, p)
-  x = copy(p)
+  x = copy(jnp.copy(p))  # the copy donates its input: never p itself
   jax.block_until_ready((m, v, x))
   t_fused, t_copy = [], []
   for _ in range(rounds):
