@@ -221,8 +221,8 @@ def run_grid(args: argparse.Namespace) -> dict[str, Any]:
             "final_val_ppl": math.exp(final) if math.isfinite(final) else None,
             "val_steps": val_steps,
             "val_loss": [v if math.isfinite(v) else None for v in val_loss],
-            "train_loss": [
-              float(x) if math.isfinite(float(x)) else None
+            "train_loss": [  # 4 decimals keep the JSON small
+              round(float(x), 4) if math.isfinite(float(x)) else None
               for x in jax.device_get(train_loss)
             ],
             "seconds": seconds,
@@ -336,7 +336,7 @@ def plot(results: dict[str, Any], summary: dict[str, Any], out: str, title: str)
             label=f"{LABELS[method]} (lr {s['best_lr']:g})")  # fmt: skip
   ax.set_xlabel("step")
   ax.set_ylabel("validation loss (nats / byte), mean over seeds")
-  ax.set_title(title + " — at each method's best LR", fontsize=9)
+  ax.set_title(title + "\nat each method's best learning rate", fontsize=9)
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8)
   lows = [s["val_loss_mean"] for s in summary.values()]
