@@ -189,7 +189,7 @@ def masked_adam(
     >>> g = jnp.ones((4, 8)); m = jnp.zeros((4, 8)); v = jnp.zeros((4, 8))
     >>> out = kernels.masked_adam(g, m, v, count=1, learning_rate=1e-3,
     ...                           scale=jnp.asarray(0.5), implementation="xla")
-    >>> float(out.update[0, 0])  # -lr * scale * m_hat / (sqrt(v_hat) + eps)
+    >>> round(float(out.update[0, 0]), 6)  # -lr * scale * m_hat / (sqrt(v_hat) + eps)
     -0.0005
 
   References:
