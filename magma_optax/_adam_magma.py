@@ -59,9 +59,24 @@ class AdamMagmaState(NamedTuple):
   mask_state: _alignment.AlignmentMaskState
 
 
-def _check_unit(name: str, value: float) -> float:
-  if isinstance(value, bool) or not isinstance(value, (int, float)):
-    raise ValueError(f"{name} must be a float in [0, 1); got {value!r}.")
+def _static_float(name: str, value: Any, valid: str) -> float:
+  """A Python float from ``value``; traced values cannot be kernel constants."""
+  if isinstance(value, jax.core.Tracer):
+    raise ValueError(
+      f"{name} must be a Python float ({valid}), not a traced value: it is a"
+      " constant of the fused kernel. With optax.inject_hyperparams, pass"
+      " static_args=('b1', 'b2', 'eps', 'eps_root', 'stack_axes')."
+    )
+  if isinstance(value, bool):
+    raise ValueError(f"{name} must be a float {valid}; got {value!r}.")
+  try:
+    return float(value)
+  except (TypeError, ValueError):
+    raise ValueError(f"{name} must be a float {valid}; got {value!r}.") from None
+
+
+def _check_unit(name: str, value: Any) -> float:
+  value = _static_float(name, value, "in [0, 1)")
   return float(_schedules.check_decay(name, value))
 
 
@@ -154,8 +169,10 @@ def adam_magma(
   """
   b1 = _check_unit("b1", b1)
   b2 = _check_unit("b2", b2)
+  eps = _static_float("eps", eps, ">= 0")
+  eps_root = _static_float("eps_root", eps_root, ">= 0")
   for name, value in (("eps", eps), ("eps_root", eps_root)):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+    if value < 0:
       raise ValueError(f"{name} must be a float >= 0; got {value!r}.")
   learning_rate = _check_nonnegative("learning_rate", learning_rate)
   weight_decay = _check_nonnegative("weight_decay", weight_decay)
@@ -170,7 +187,11 @@ def adam_magma(
         f" them, or None; got {implementation!r}."
       )
   mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
-  has_decay = _schedules.is_schedule(weight_decay) or weight_decay != 0.0
+  has_decay = (
+    _schedules.is_schedule(weight_decay)
+    or isinstance(weight_decay, jax.core.Tracer)  # optax.inject_hyperparams
+    or weight_decay != 0.0
+  )
   # The wrapper's validation and state layout, reused: same checks, same masks.
   align = _alignment.make_alignment(
     tau=tau,
@@ -221,7 +242,7 @@ def adam_magma(
     lr = _schedules.evaluate(learning_rate, state.count)
     wd = _schedules.evaluate(weight_decay, state.count) if has_decay else 0.0
     inv_tau = 1.0 / _schedules.evaluate(tau, count)
-    decay = float(score_decay)
+    decay = score_decay
     is_masked = lambda x: isinstance(x, optax.MaskedNode)
     grads = treedef.flatten_up_to(updates)
     mus = treedef.flatten_up_to(state.mu)

@@ -207,3 +207,19 @@ def test_weight_decay_needs_params_and_pallas_needs_accelerator():
     tx = magma.adam_magma(1e-3, implementation="pallas")
     with pytest.raises(ValueError, match="interpret=True"):
       tx.update(p, tx.init(p), p)
+
+
+def test_inject_hyperparams(params):
+  static = ("b1", "b2", "eps", "eps_root", "stack_axes", "implementation")
+  injected = optax.inject_hyperparams(magma.adam_magma, static_args=static)(
+    learning_rate=1e-2, tau=2.0, keep_prob=0.5, key=5, implementation="xla"
+  )
+  plain = magma.adam_magma(1e-2, key=5, implementation="xla")
+  got, state, _ = _run(injected, params, steps=2)
+  want, _, _ = _run(plain, params, steps=2)
+  for a, b in zip(got, want, strict=True):
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, **TOL), a, b)
+  assert int(magma.mask_stats(state)["step"]) == 2
+  traced_b1 = optax.inject_hyperparams(magma.adam_magma)(learning_rate=1e-2)
+  with pytest.raises(ValueError, match="static_args"):
+    jax.jit(traced_b1.update)(params, traced_b1.init(params), params)
