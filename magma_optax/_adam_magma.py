@@ -262,7 +262,7 @@ def adam_magma(
       if layout is not None:
 
         def scale(dot, mu_sq, g_sq, s_prev=old_scores[i], z=masks[i], box=score_box):
-          cos = _cosine(dot, mu_sq, g_sq)
+          cos = _alignment.cosine_from_sums(dot, mu_sq, g_sq)
           s = decay * s_prev + (1.0 - decay) * jax.nn.sigmoid(cos * inv_tau)
           s = s.astype(jnp.float32)
           box.append(s)
@@ -316,10 +316,3 @@ def adam_magma(
     return treedef.unflatten(out), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def _cosine(dot: jax.Array, a_sq: jax.Array, b_sq: jax.Array) -> jax.Array:
-  """cos from the block sums, exactly as :func:`_alignment.block_cosine` forms it."""
-  norm = jnp.sqrt(a_sq) * jnp.sqrt(b_sq)
-  ok = norm > 0
-  return jnp.clip(jnp.where(ok, dot / jnp.where(ok, norm, 1.0), 0.0), -1.0, 1.0)

@@ -72,7 +72,11 @@ def block_cosine(
   sums = (layout.block_sum(a * b), layout.block_sum(a * a), layout.block_sum(b * b))
   if axis_name is not None:
     sums = jax.lax.psum(sums, axis_name)
-  dot, aa, bb = sums
+  return cosine_from_sums(*sums)
+
+
+def cosine_from_sums(dot: jax.Array, aa: jax.Array, bb: jax.Array) -> jax.Array:
+  """cos = <a, b> / (||a|| ||b||) from the block sums; 0 where a norm is 0."""
   norm = jnp.sqrt(aa) * jnp.sqrt(bb)
   ok = norm > 0
   return jnp.clip(jnp.where(ok, dot / jnp.where(ok, norm, 1.0), 0.0), -1.0, 1.0)
