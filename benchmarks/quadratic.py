@@ -64,7 +64,7 @@ constant, or (``--schedule cosine``) cosine-decayed to 10% of the peak.
 Blocks: the parameter is stored as a (3, 3) array whose row b holds the 3 coordinates
 of Hessian block b, so ``granularity="row"`` gives exactly the paper's blocks (one mask
 draw, one cosine and one score per 3-coordinate block). Methods: AdamW
-(``optax.adamw(lr, b1=0.9, b2=0.999, weight_decay=0)``) , AdamW + SkipUpdate
+(``optax.adamw(lr, b1=0.9, b2=0.999, weight_decay=0)``), AdamW + SkipUpdate
 (``magma.skip_update(adamw, granularity="row")``, p = 0.5) and AdamW + Magma
 (``magma.magma(adamw, granularity="row")``, tau = 2, p = 0.5), each over a learning
 rate grid; theta_0 = 0 and theta* ~ N(0, I). Runs are vmapped over (learning rate,
@@ -121,8 +121,10 @@ PROP1_GRANULARITIES: tuple[Any, ...] = ("tensor", "row", (4, 4), "element")
 
 
 def block_ids(shape: tuple[int, int], granularity: Any) -> np.ndarray:
-  """Block id of every entry of a 2-D array, by index arithmetic (independent of
-  the package's reshape-based layouts)."""
+  """Block id of every entry of a 2-D array.
+
+  Index arithmetic, independent of the package's reshape-based layouts.
+  """
   rows, cols = np.indices(shape)
   if granularity == "tensor":
     return np.zeros(shape, np.int64)
@@ -283,6 +285,7 @@ def proposition1_nonquadratic(
 
 
 def run_prop1(args) -> dict[str, Any]:
+  """Part (a): prints the Proposition 1 tables and returns their rows."""
   rows = []
   print(
     f"\nProposition 1, exact quadratic (d=64 as {PROP1_SHAPE}, dense PSD A,"
@@ -362,6 +365,7 @@ def r9_problem(case: str, seed: int, label_noise: float = 0.0, num_rows: int = 5
 
 
 def make_optimizer(method: str, lr, seed, weight_decay: float):
+  """AdamW, AdamW + SkipUpdate or AdamW + Magma with one block per matrix row."""
   base = optax.adamw(lr, b1=0.9, b2=0.999, weight_decay=weight_decay)
   if method == "adamw":
     return base
@@ -424,6 +428,7 @@ def final_loss(curves: np.ndarray, tail: float = 0.1) -> np.ndarray:
 
 
 def run_r9(args) -> dict[str, Any]:
+  """Part (b): trains every method, case and noise level; prints and returns."""
   lrs = np.asarray(args.lrs, np.float32)
   seeds = np.arange(args.seeds, dtype=np.int32) + args.seed
   window = max(1, args.steps // 200)  # curves are stored as means over windows
