@@ -1,8 +1,8 @@
 """Shared by test_sharding.py and test_multihost.py: one 8-device run, one reference.
 
-The 8-device worker (tests/_sharding_worker.py) runs once per pytest session in a
-subprocess; the same optimizers run here on the test process's single CPU device.
-Both are cached, so the two test modules share them.
+The worker (tests/_sharding_worker.py) runs once per pytest session in two
+subprocesses side by side: on 8 forced CPU devices (sharded) and on one device (the
+reference). Cached here, so the two test modules share them.
 """
 
 from __future__ import annotations
@@ -24,20 +24,28 @@ WORKER = os.path.join(os.path.dirname(__file__), "_sharding_worker.py")
 
 @functools.cache
 def sharded_results() -> tuple[dict, str]:
-  """Runs the worker on 8 forced CPU devices; returns (report, output dir)."""
+  """Runs the worker on 8 forced CPU devices and, side by side, on one device.
+
+  Returns (the 8-device report, output dir).
+  """
   out_dir = tempfile.mkdtemp(prefix="magma_sharding_")
   atexit.register(shutil.rmtree, out_dir, ignore_errors=True)
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
-  proc = subprocess.run(
-    [sys.executable, WORKER, out_dir],
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=600,
-  )
-  if proc.returncode != 0:
-    raise RuntimeError(f"sharding worker failed:\n{proc.stdout}\n{proc.stderr}")
+  procs = [
+    subprocess.Popen(
+      [sys.executable, WORKER, out_dir, str(devices)],
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for devices in (8, 1)
+  ]
+  for proc in procs:
+    stdout, stderr = proc.communicate(timeout=600)
+    if proc.returncode != 0:
+      raise RuntimeError(f"sharding worker failed:\n{stdout}\n{stderr[-5000:]}")
   with open(os.path.join(out_dir, "report.json")) as f:
     return json.load(f), out_dir
 
@@ -51,33 +59,10 @@ def sharded_arrays(name: str) -> dict[str, np.ndarray]:
 
 @functools.cache
 def reference(name: str) -> dict[str, np.ndarray]:
-  """The same run on this process's single device, flattened like the worker's."""
+  """The same run on one device ("core", "sparse", "explicit" or "mlp")."""
   if name == "explicit":  # a subset of the core cases: filter the core run
     keep = tuple(f"['{case}']" for case in worker.EXPLICIT_CASES)
     return {k: v for k, v in reference("core").items() if any(c in k for c in keep)}
-  cases = {"core": worker.core_transforms, "sparse": worker.sparse_transforms}[name]()
-  params, state, masks, _, _ = worker.run(cases)
-  return {
-    **worker.flatten(params, "params"),
-    **worker.flatten(state, "state"),
-    **{"masks/" + k: v for k, v in masks.items()},
-  }
-
-
-@functools.cache
-def reference_mlp() -> dict[str, np.ndarray]:
-  """The data/model-parallel MLP of the worker, on one device."""
-  import jax
-
-  params, x, y, tx, step = worker.mlp_problem()
-  state = tx.init(params)
-  step = jax.jit(step)
-  losses = []
-  for _ in range(worker.STEPS):
-    params, state, loss_value = step(params, state, x, y)
-    losses.append(float(loss_value))
-  return {
-    **worker.flatten(params, "params"),
-    **worker.flatten(state, "state"),
-    "losses": np.array(losses),
-  }
+  _, out_dir = sharded_results()
+  with np.load(os.path.join(out_dir, f"ref_{name}.npz")) as data:
+    return dict(data)

@@ -1,18 +1,19 @@
 """Sharded training runs on 8 forced CPU devices, for test_sharding / test_multihost.
 
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` must be set before JAX starts,
-so the tests run ``python3 tests/_sharding_worker.py OUT_DIR`` in a subprocess. It
+so the tests run ``python3 tests/_sharding_worker.py OUT_DIR 8`` in a subprocess. It
 trains a few steps of every transform with parameters sharded by rows, by columns,
 by both (and a data+model-parallel MLP), on ``AxisType.Auto`` and ``Explicit``
 meshes, and writes
 
 * ``OUT_DIR/<run>.npz``: final parameters and optimizer state (flattened by key path;
-  PRNG keys as key data) and the masks of every step, for comparison with the same
-  run on one device in the test process;
+  PRNG keys as key data) and the masks of every step;
 * ``OUT_DIR/report.json``: shardings of the state, collectives in the compiled step,
   and compile-cache sizes.
 
-Importing this module (as the tests do, to build the same optimizers) has no side
+``python3 tests/_sharding_worker.py OUT_DIR 1`` runs the same on one device and
+writes ``OUT_DIR/ref_<run>.npz``: the reference (a separate process, so that both
+run side by side with the same XLA flags). Importing this module has no side
 effects; all transforms of one run are combined into one optimizer (one compile).
 """
 
@@ -25,7 +26,8 @@ if __name__ == "__main__":  # before JAX starts
   # Optimization level 0 only makes LLVM faster at compiling these tiny programs.
   os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    + f" --xla_force_host_platform_device_count={int(sys.argv[2])}"
+    + " --xla_backend_optimization_level=0"
   )
   os.environ["JAX_PLATFORMS"] = "cpu"
 
@@ -432,5 +434,36 @@ def main(out_dir):
     json.dump(report, f, indent=1)
 
 
+def main_reference(out_dir):
+  """The same runs on one device: the reference the tests compare against."""
+  assert jax.device_count() == 1, jax.devices()
+  for name, cases in (("core", core_transforms()), ("sparse", sparse_transforms())):
+    if not cases:
+      continue
+    params, state, masks, _, _ = run(cases)
+    np.savez(
+      os.path.join(out_dir, f"ref_{name}.npz"),
+      **flatten(params, "params"),
+      **flatten(state, "state"),
+      **{"masks/" + k: v for k, v in masks.items()},
+    )
+  params, x, y, tx, step = mlp_problem()
+  state = tx.init(params)
+  step = jax.jit(step)
+  losses = []
+  for _ in range(STEPS):
+    params, state, loss_value = step(params, state, x, y)
+    losses.append(float(loss_value))
+  np.savez(
+    os.path.join(out_dir, "ref_mlp.npz"),
+    **flatten(params, "params"),
+    **flatten(state, "state"),
+    losses=np.array(losses),
+  )
+
+
 if __name__ == "__main__":
-  main(sys.argv[1])
+  if int(sys.argv[2]) == 1:
+    main_reference(sys.argv[1])
+  else:
+    main(sys.argv[1])

@@ -1,7 +1,7 @@
 """Sharding: every transform on a 2x4 mesh of forced CPU devices equals one device.
 
-The 8-device runs happen in a subprocess (tests/_sharding_worker.py, once per
-session); the reference runs in this process on one device. Tolerance for float
+The 8-device runs and the one-device reference run in two subprocesses
+(tests/_sharding_worker.py, once per session). Tolerance for float
 leaves (parameters, moments, scores): 2e-5 relative to max(1, |reference|) -- the
 sharded run reduces per-block sums in a different order, and a few steps of Adam
 amplify the f32 rounding slightly. Everything else (masks, counts, PRNG keys) must be
@@ -67,7 +67,7 @@ def test_covers_every_transform(report):
 
 def test_data_and_model_parallel_mlp(report):
   got = runs.sharded_arrays("mlp")
-  want = runs.reference_mlp()
+  want = runs.reference("mlp")
   assert_trees_match(
     {k: v for k, v in got.items() if k != "losses"},
     {k: v for k, v in want.items() if k != "losses"},
