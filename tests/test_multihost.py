@@ -54,12 +54,14 @@ def _train_masks(tx, grad_seed, steps=4, params=PARAMS):
   return out
 
 
-@pytest.mark.parametrize("name", sorted(TRANSFORMS))
-@pytest.mark.parametrize("granularity", ["tensor", "row"])
+@pytest.mark.parametrize(
+  "name, granularity",
+  [(name, "row") for name in sorted(TRANSFORMS)] + [("magma", "tensor")],
+)
 def test_mask_is_the_documented_function_of_key_step_leaf_block(name, granularity):
   key = jax.random.key(1234)
   tx = TRANSFORMS[name](key, granularity=granularity)
-  masks = _train_masks(tx, grad_seed=0)
+  masks = _train_masks(tx, grad_seed=0, steps=3)
   leaves, _ = jax.tree.flatten(PARAMS)
   for t, step_masks in enumerate(masks):
     for i, (x, z) in enumerate(zip(leaves, jax.tree.leaves(step_masks), strict=True)):
@@ -71,17 +73,14 @@ def test_mask_is_the_documented_function_of_key_step_leaf_block(name, granularit
 
 
 def test_masks_ignore_gradients_and_parameter_values_but_not_the_key():
-  a = _train_masks(TRANSFORMS["magma"](7, granularity="row"), grad_seed=1)
-  b = _train_masks(TRANSFORMS["magma"](7, granularity="row"), grad_seed=2)
+  tx = TRANSFORMS["magma"](7, granularity="row")
+  a = _train_masks(tx, grad_seed=1)
   other_params = jax.tree.map(lambda x: -3.0 * x, PARAMS)
-  c = _train_masks(
-    TRANSFORMS["magma"](7, granularity="row"), grad_seed=3, params=other_params
-  )
-  d = _train_masks(TRANSFORMS["magma"](8, granularity="row"), grad_seed=1)
+  b = _train_masks(tx, grad_seed=2, params=other_params)
+  c = _train_masks(TRANSFORMS["magma"](8, granularity="row"), grad_seed=1)
   flat = lambda m: np.concatenate([z.ravel() for s in m for z in jax.tree.leaves(s)])
   np.testing.assert_array_equal(flat(a), flat(b))
-  np.testing.assert_array_equal(flat(a), flat(c))
-  assert not np.array_equal(flat(a), flat(d))
+  assert not np.array_equal(flat(a), flat(c))
   # Across steps the draws change (they are not one fixed mask).
   assert not np.array_equal(flat(a[:1]), flat(a[1:2]))
 
