@@ -23,7 +23,7 @@ specs = {"w": ((64, 32), P("x", "y")), "v": ((16, 128), P(None, "y")),
 params = {k: jax.random.normal(jax.random.key(i), s)
           for i, (k, (s, _)) in enumerate(specs.items())}
 out = {}
-for gran in ("tensor", "row", "column"):
+for gran in ("tensor", "column"):
   tx = magma.adam_magma(0.1, key=1, granularity=gran, weight_decay=0.01,
                         implementation="xla")
   def step(p, s):
