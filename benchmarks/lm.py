@@ -12,6 +12,11 @@ standard library's source (:mod:`magma_optax.corpus`) with
                       optax.adam(lr))``: sparse moments, paper App. C.4 (a
                       different, weaker method)
 
+Control (``--methods adam_scaled``): Adam with the masked leaves' updates scaled by
+0.25, Magma's average multiplier (score ~0.5 times keep probability 0.5) without the
+randomness or the alignment score. It separates "Magma helps" from "a smaller step on
+attention/MLP than on embeddings, norms and head helps".
+
 Masks act on attention and MLP weights (``magma.attention_mlp_weights``, the paper's
 scope); ``--scope all`` masks every parameter. Schedule: linear warm-up over 10 % of
 the steps, cosine decay to 10 % of the peak (:func:`llama.lr_schedule`). Learning-rate
@@ -72,6 +77,8 @@ METHODS = (
   "rmsprop_magma",
   "adam_gradmask",
 )
+# Controls, run on request (--methods): not part of the default grid.
+CONTROLS = ("adam_scaled",)
 LABELS = {
   "adam": "Adam",
   "adam_skip": "Adam+SkipUpdate",
@@ -79,6 +86,7 @@ LABELS = {
   "rmsprop": "RMSProp",
   "rmsprop_magma": "RMSProp+Magma",
   "adam_gradmask": "alignment_mask -> Adam",
+  "adam_scaled": "Adam, masked leaves x0.25",
 }
 
 
@@ -114,7 +122,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--eval-every", type=int)
   parser.add_argument("--eval-batches", type=int)
   parser.add_argument("--lrs", type=float, nargs="+", help="peak learning rates")
-  parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+  parser.add_argument(
+    "--methods", nargs="+", choices=METHODS + CONTROLS, default=list(METHODS)
+  )
   parser.add_argument(
     "--scope",
     choices=("attn_mlp", "all"),
@@ -156,6 +166,12 @@ def make_optimizer(
     tx = magma.magma(rmsprop(), key=key, where=where)
   elif method == "adam_gradmask":
     tx = optax.chain(magma.alignment_mask(key=key, where=where), optax.adam(unit))
+  elif method == "adam_scaled":
+    # Magma's mean multiplier without its randomness or alignment: E[s z] ~ 0.5 * 0.5.
+    scoped = lambda params: jax.tree_util.tree_map_with_path(
+      lambda path, x: True if where is None else bool(where(path, x)), params
+    )
+    tx = optax.chain(optax.adam(unit), optax.masked(optax.scale(0.25), scoped))
   else:
     raise ValueError(f"method must be one of {METHODS}; got {method!r}.")
   return optax.chain(tx, optax.inject_hyperparams(optax.scale)(step_size=lr))
