@@ -226,3 +226,35 @@ def test_shape_checks():
       jnp.ones(3), jnp.ones(3), jnp.ones(3), count=1, learning_rate=1.0,
       layout=_blocks.block_layout((4,), "tensor"),
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_pallas_kernel_lowers_to_triton_without_a_gpu(masked):
+  """Cross-lowering for CUDA runs the Pallas -> Triton lowering on any host.
+
+  It catches unsupported ops in the kernel body; compiling the Triton IR to PTX and
+  running it needs a GPU (benchmarks/gpu_check.py).
+  """
+  from jax import export
+
+  shape = (100, 300)
+  layout = _blocks.block_layout(shape, "row")
+  dtype = jnp.bfloat16 if masked else jnp.float32
+
+  def fused(g, m, v, p, pm, scale, hyper):
+    return pallas_gpu.masked_adam_pallas(
+      g, m, v, hyper, kernels.AdamConstants(), scale=scale, layout=layout,
+      param_mask=pm if masked else None, params=None if masked else p,
+    )  # fmt: skip
+
+  spec = jax.ShapeDtypeStruct
+  args = [spec(shape, dtype)] * 4 + [
+    spec(shape, jnp.bool_), spec((100,), jnp.float32), spec((4,), jnp.float32),
+  ]  # fmt: skip
+  triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+  exported = export.export(
+    jax.jit(fused), platforms=["cuda"], disabled_checks=[triton]
+  )(*args)
+  text = exported.mlir_module()
+  assert "xla.gpu.triton" in text
+  assert len(exported.out_avals) == 6
