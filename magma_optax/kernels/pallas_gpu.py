@@ -25,7 +25,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
 from magma_optax import _blocks
 from magma_optax.kernels import config as config_lib
@@ -117,6 +116,8 @@ def masked_adam_pallas(
   Raises:
     ValueError: if the layout's blocks are not contiguous.
   """
+  from jax.experimental import pallas as pl  # lazy: ~0.1 s, only when used
+
   layout = layout or reference.tensor_layout(grad.shape)
   if not is_contiguous(layout):
     raise ValueError(
