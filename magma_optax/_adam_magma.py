@@ -120,9 +120,10 @@ def adam_magma(
 
   Same updates as ``magma.magma(optax.adam(lr, b1, b2, eps, eps_root), tau=tau,
   keep_prob=keep_prob, key=key, ...)`` (``optax.adamw(..., weight_decay=wd)`` when
-  ``weight_decay`` is nonzero) for the same key, at the cost of about one Adam
-  step: see ``benchmarks/step_overhead.py``. Leaves out of ``where`` take the plain
-  Adam(W) update.
+  ``weight_decay`` is nonzero) for the same key. Cost: Adam's passes plus two
+  block reductions (<m_t, g>, ||g||^2); ||m_t||^2 is carried. On a 2-core CPU that
+  measured 1.45-1.7x ``optax.adam`` (``benchmarks/RESULTS.md``). Leaves out of
+  ``where`` take the plain Adam(W) update.
 
   Args:
     learning_rate: float or ``optax.Schedule`` of the step count.
