@@ -4,9 +4,18 @@ The guarantee (documented in magma_optax.sharding): the mask of leaf ``i`` at st
 ``t`` is ``bernoulli(fold_in(fold_in(key, t), i), keep_prob, block_shape)``. Nothing
 else enters -- not the device count, the mesh, the shardings, the process, nor the
 gradients -- so every host of a multi-host job draws the same masks.
+
+Checked three ways: 8 devices vs 1 device (the sharding worker), two real JAX
+processes (``jax.distributed`` with gloo on CPU, tests/_multiprocess_worker.py) vs
+1 device, and the formula itself against ``jax.random`` called directly.
 """
 
 from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
 
 import _sharding_runs as runs
 import jax
@@ -27,6 +36,61 @@ def test_eight_devices_and_one_device_draw_identical_masks(run):
   for k in keys:
     np.testing.assert_array_equal(got[k], want[k], err_msg=k)
   assert {k for k in got if k.startswith("masks/")} == set(keys)
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+  """Two JAX processes (jax.distributed, gloo), 2 CPU devices each, one 2x2 mesh."""
+  tmp = tmp_path_factory.mktemp("multiprocess")
+  script = os.path.join(os.path.dirname(__file__), "_multiprocess_worker.py")
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  port = str(_free_port())
+  outs = [str(tmp / f"process{i}.npz") for i in range(2)]
+  procs = [
+    subprocess.Popen(
+      [sys.executable, script, str(i), port, outs[i]],
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(2)
+  ]
+  logs = [p.communicate(timeout=300)[0] for p in procs]
+  if any(p.returncode for p in procs):
+    pytest.fail("multi-process run failed:\n" + "\n".join(x[-3000:] for x in logs))
+  results = []
+  for out in outs:
+    with np.load(out) as data:
+      results.append(dict(data))
+  return results
+
+
+def test_two_processes_draw_the_masks_of_one_device(two_processes):
+  want = runs.reference("core")
+  for shards in two_processes:
+    checked = 0
+    for name, got in shards.items():
+      if name.startswith("index/"):
+        continue
+      index = tuple(slice(a, b) for a, b in shards["index/" + name])
+      expected = want[name.split("#")[0]][index]
+      if name.startswith("masks/"):
+        np.testing.assert_array_equal(got, expected, err_msg=name)
+      else:  # parameters after the steps: same math, other reduction order
+        np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-5, err_msg=name)
+      checked += 1
+    assert checked >= 40
+  # Each process holds different shards of the sharded parameters.
+  name = "params['magma_adam_row']['both']#0"
+  assert not np.array_equal(two_processes[0][name], two_processes[1][name])
 
 
 TRANSFORMS = {
