@@ -339,7 +339,33 @@ def data_model_parallel(mesh, out_dir):
     **flatten(state, "state"),
     losses=np.array(losses),
   )
-  return {"collectives": collectives(hlo), "compiles_per_step": compiles}
+  return {
+    "collectives": collectives(hlo),
+    "compiles_per_step": compiles,
+    "checkpoint": sharded_checkpoint(tx, params, state, out_dir),
+  }
+
+
+def sharded_checkpoint(tx, params, state, out_dir):
+  """Saves the sharded state with orbax and restores it into abstract_state."""
+  try:
+    import orbax.checkpoint as ocp
+  except ImportError:
+    return None
+  path = os.path.join(out_dir, "ckpt")
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(path, state)
+  target = magma.sharding.abstract_state(tx, params)
+  with ocp.StandardCheckpointer() as checkpointer:
+    restored = checkpointer.restore(path, target)
+  leaves = zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True)
+  same_values, same_shardings = True, True
+  for got, want in leaves:
+    same_shardings &= got.sharding.is_equivalent_to(want.sharding, want.ndim)
+    if jax.dtypes.issubdtype(want.dtype, jax.dtypes.prng_key):
+      got, want = jax.random.key_data(got), jax.random.key_data(want)
+    same_values &= bool(np.array_equal(np.asarray(got), np.asarray(want)))
+  return {"same_values": same_values, "same_shardings": same_shardings}
 
 
 def _shard_map():
