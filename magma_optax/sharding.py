@@ -2,9 +2,12 @@
 
 JAX is the distributed engine. Every transform of this package runs under ``jax.jit``
 with parameters sharded on a ``jax.sharding.Mesh`` (``AxisType.Auto`` or
-``Explicit``) and gives the unsharded result: per-block sums become partial sums plus
-an all-reduce of block-sized values, and no parameter-sized array is gathered on one
-device. What users need from this module is the *layout of the state*:
+``Explicit``) and gives the unsharded result (tests/test_sharding.py). For
+:func:`magma`, :func:`skip_update`, :func:`bernoulli_mask`, :func:`alignment_mask`
+and :func:`damping` the per-block sums become partial sums plus an all-reduce of
+block-sized values: no parameter-sized array is gathered on one device.
+(:func:`periodic_mask` ranks whole leaves for its exact top-k, and XLA gathers them.)
+What users need from this module is the *layout of the state*:
 
 * :func:`state_shardings` -- the shardings of ``tx.init(params)``: a state leaf with a
   parameter's shape (Adam's ``mu``/``nu``, the wrapper's own momentum, element-wise
