@@ -52,9 +52,11 @@ from typing import Any
 
 import jax
 import optax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
 
-from magma_optax import _alignment, _blocks
+from magma_optax import _alignment
+from magma_optax import _blocks
 
 __all__ = ("abstract_state", "block_cosine", "init", "state_shardings")
 
