@@ -21,7 +21,8 @@ has the learning-rate sweep and the controls.
 
 Sizes. ``--size small`` (default, ~0.87M parameters, 4 layers, width 128) with 8
 sequences of 128 bytes per step and 300 steps used 122 CPU-seconds (2 min 50 s wall
-on a shared, loaded 2-core machine; about two minutes on two quiet cores);
+on a shared, loaded 2-core machine; so roughly 1-2 min on two quiet cores, not
+measured quiet);
 ``--size tiny`` is a few seconds' smoke test; ``--size medium`` wants an accelerator.
 
 References:
