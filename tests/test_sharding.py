@@ -113,9 +113,9 @@ def test_no_parameter_sized_collectives(report, run):
 
 
 @pytest.mark.xfail(
-  reason="periodic_mask / sparse_state: the compiled sharded step all-gathers"
-  " parameter-sized arrays (up to a whole 16x16 leaf; the exact top-k needs a"
-  " global order). Found here, left to the sparse-training owner.",
+  reason="periodic_mask: the tie-breaking jnp.cumsum over each flattened leaf in"
+  " _top_k_mask (_periodic.py) makes XLA all-gather whole leaves (s32[256] for a"
+  " 16x16 leaf). Found here, left to the sparse-training owner.",
   strict=False,
 )
 def test_sparse_wrappers_no_parameter_sized_gathers(report):
