@@ -30,7 +30,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import sysconfig
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
+from collections.abc import Sequence
 
 import numpy as np
 

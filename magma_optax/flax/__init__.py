@@ -5,8 +5,9 @@ only.
 """
 
 from magma_optax.flax import llama
-from magma_optax.flax.llama import Llama, LlamaConfig
 from magma_optax.flax import scaling
+from magma_optax.flax.llama import Llama
+from magma_optax.flax.llama import LlamaConfig
 from magma_optax.flax.scaling import ScaledMaskedDense
 from magma_optax.flax.scaling import ScaledMaskedLinear
 from magma_optax.flax.scaling import SparsityMask
