@@ -61,21 +61,28 @@ def _base_of(name, **kw):
   return optax.adam(1e-2, **kw)
 
 
+def _abstract_train(tx, params, steps=2):
+  """Dtypes of (updates, state, params) after ``steps`` steps, traced abstractly
+  (``jax.eval_shape``: the dtype rules without compiling)."""
+
+  def train(params):
+    state = tx.init(params)
+    for t in range(steps):
+      updates, state = tx.update(_grads(t, BF16), state, params)
+      params = optax.apply_updates(params, updates)
+    return updates, state, params
+
+  return jax.eval_shape(train, params)
+
+
 @pytest.mark.parametrize(
   "name, mu_dtype", [(n, F32) for n in sorted(CASES)] + [("magma_adam", None)]
 )
 def test_updates_keep_the_base_dtype_and_params_stay_bf16(name, mu_dtype):
   params = _params(BF16)
-  tx = CASES[name](mu_dtype=mu_dtype)
-  base = _base_of(name, mu_dtype=mu_dtype)
-  state, base_state = tx.init(params), base.init(params)
-  update = jax.jit(tx.update)
-  for t in range(2):
-    grads = _grads(t, BF16)
-    updates, state = update(grads, state, params)
-    base_updates, base_state = base.update(grads, base_state, params)
-    assert dtypes(updates) == dtypes(base_updates)
-    params = optax.apply_updates(params, updates)
+  updates, state, params = _abstract_train(CASES[name](mu_dtype=mu_dtype), params)
+  base_updates, _, _ = _abstract_train(_base_of(name, mu_dtype=mu_dtype), _params(BF16))
+  assert dtypes(updates) == dtypes(base_updates)
   assert dtypes(params) == {"w": BF16, "b": BF16}
   want_mu = F32 if mu_dtype is not None else BF16
   mus = optax.tree_utils.tree_get_all_with_path(state, "mu")
@@ -83,9 +90,7 @@ def test_updates_keep_the_base_dtype_and_params_stay_bf16(name, mu_dtype):
 
 
 def test_without_mu_dtype_everything_param_sized_stays_bf16():
-  params = _params(BF16)
-  tx = magma.magma(optax.adam(1e-2))
-  updates, state = jax.jit(tx.update)(_grads(0, BF16), tx.init(params), params)
+  updates, state, _ = _abstract_train(magma.magma(optax.adam(1e-2)), _params(BF16))
   assert dtypes(updates) == {"w": BF16, "b": BF16}
   for leaf in jax.tree.leaves(state):
     if leaf.shape in ((16, 8), (8,)) and jnp.issubdtype(leaf.dtype, jnp.floating):
@@ -100,8 +105,7 @@ def test_without_mu_dtype_everything_param_sized_stays_bf16():
 def test_momentum_dtype_sets_the_wrappers_own_buffer(momentum_dtype, want):
   params = _params(BF16)
   tx = magma.magma(optax.rmsprop(1e-2), momentum_dtype=momentum_dtype)
-  state = tx.init(params)
-  updates, state = jax.jit(tx.update)(_grads(0, BF16), state, params)
+  updates, state, _ = _abstract_train(tx, params)
   assert dtypes(state.mask_state.momentum) == {"w": want, "b": want}
   assert dtypes(updates) == {"w": BF16, "b": BF16}
   aligned = magma.alignment_mask(momentum_dtype=momentum_dtype)
@@ -134,6 +138,6 @@ def test_recipe_updates_in_param_dtype_with_f32_moments():
   )
   tx = optax.chain(magma.magma(optax.adam(1e-2, mu_dtype=F32)), cast_like_params)
   params = _params(BF16)
-  updates, state = jax.jit(tx.update)(_grads(0, BF16), tx.init(params), params)
+  updates, state, _ = _abstract_train(tx, params, steps=1)
   assert dtypes(updates) == {"w": BF16, "b": BF16}
   assert dtypes(state[0].inner_state[0].mu) == {"w": F32, "b": F32}
