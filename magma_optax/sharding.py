@@ -6,7 +6,8 @@ with parameters sharded on a ``jax.sharding.Mesh`` (``AxisType.Auto`` or
 :func:`magma`, :func:`skip_update`, :func:`bernoulli_mask`, :func:`alignment_mask`
 and :func:`damping` the per-block sums become partial sums plus an all-reduce of
 block-sized values: no parameter-sized array is gathered on one device.
-(:func:`periodic_mask` ranks whole leaves for its exact top-k, and XLA gathers them.)
+(:func:`periodic_mask` ranks each flattened leaf with a ``cumsum`` for its exact
+top-k; XLA gathers those leaves.)
 What users need from this module is the *layout of the state*:
 
 * :func:`state_shardings` -- the shardings of ``tx.init(params)``: a state leaf with a
@@ -34,6 +35,8 @@ the flattened parameter tree. It does not depend on the number of devices or hos
 the mesh, the parameters' shardings or the process, so every replica takes the same
 mask (``jax_threefry_partitionable``, JAX's default, lets each device generate only
 its own blocks). Keep the parameter tree's structure identical on every host.
+Tested on 8 devices vs 1 and on two ``jax.distributed`` processes
+(tests/test_multihost.py).
 
 **shard_map.** Inside ``jax.shard_map`` a transform sees only the local shard: its
 cosines would be of local pieces and its per-block draws of the local shape, which is
