@@ -195,11 +195,11 @@ def _top_k_mask(score: jax.Array, active: jax.Array, k: jax.Array) -> jax.Array:
   key = _ordered_key(score.reshape(-1))
   active = active.reshape(-1)
 
-  # Unrolled: measured ~1.6x faster than a fori_loop on XLA:CPU.
-  t = jnp.uint32(0)
-  for b in range(32):
-    cand = t | jnp.uint32(1 << (31 - b))
-    t = jnp.where(jnp.sum(key >= cand, dtype=jnp.int32) >= k, cand, t)
+  def bit(b, t):
+    cand = t | (jnp.uint32(1) << (31 - b).astype(jnp.uint32))
+    return jnp.where(jnp.sum(key >= cand, dtype=jnp.int32) >= k, cand, t)
+
+  t = jax.lax.fori_loop(0, 32, bit, jnp.uint32(0))
   above = key > t
   room = k - jnp.sum(above, dtype=jnp.int32)
   tied = key == t
