@@ -4,7 +4,7 @@ The demo, the language-model benchmark and the notebooks train on the source cod
 the Python standard library, read from the running interpreter's install
 (``sysconfig.get_paths()["stdlib"]``). It is real text (code, docstrings, comments),
 needs no download, and is the same on every machine running the same CPython minor
-version. The file list is fixed and sorted (:data:`STDLIB_FILES`, about 1.9 MB on
+version. The file list is fixed and sorted (:data:`STDLIB_FILES`, about 1.8 MB on
 CPython 3.11; every file exists on 3.11 and 3.12); a file missing from an unusual
 install is skipped, and an install missing more than half of them is an error.
 
