@@ -146,7 +146,8 @@ def adam_magma(
       :func:`attention_mlp_weights`, the paper's scope).
     labels: labels for per-label keep probabilities and statistics.
     implementation: kernel choice, see :func:`magma_optax.kernels.masked_adam`:
-      ``"xla"``, ``"pallas"``, a sequence, or ``None`` (Pallas on GPU, else XLA).
+      ``"xla"``, ``"pallas"``, a sequence, or ``None``
+      (``kernels.DEFAULT_IMPLEMENTATIONS``, XLA for now).
     interpret: run the Pallas kernel in the interpreter (CPU tests only).
     block_sizes: Pallas tile shape (default: the heuristic).
 
