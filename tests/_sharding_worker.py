@@ -99,11 +99,8 @@ def sparse_transforms():
   """The sparse-training wrappers (empty if the package does not have them)."""
   if not hasattr(magma, "periodic_mask") or not hasattr(magma, "sparse_state"):
     return {}
+  # One case covers both wrappers (periodic_mask hands its mask to sparse_state).
   return {
-    "periodic_mask_adam": (
-      magma.periodic_mask(optax.adam(0.1), sparsity=0.5, every=2),
-      FLAT,
-    ),
     "periodic_mask_sparse_state_compact": (
       magma.periodic_mask(
         magma.sparse_state(optax.adam(0.1), mode="compact", density=0.5),

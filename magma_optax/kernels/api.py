@@ -11,8 +11,8 @@ block, and returns the per-block partial sums of Magma's cosine (see
 
 ``implementation=None`` tries ``DEFAULT_IMPLEMENTATIONS`` -- XLA for now, until the
 Pallas kernel has been validated on a GPU by ``benchmarks/gpu_check.py`` -- and falls
-back silently to XLA off-accelerator. An explicit request that cannot run raises ``ValueError`` at
-trace time, saying why.
+back silently to XLA off-accelerator. An explicit request that cannot run raises
+``ValueError`` at trace time, saying why.
 
 The per-block scale may depend on this step's alignment sums (Magma's score needs
 cos(m_t, g_t) before the update is scaled). Pass ``scale=`` a callable
