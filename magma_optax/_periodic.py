@@ -14,9 +14,13 @@ Thresholding is exact top-k, never a quantile estimate: at target sparsity ``s``
 of ``n`` entries keeps ``n - round(s * n)`` of them (``ranking="global"``: the same
 count over all scoped entries together). Ties are broken deterministically: higher
 score first, then entries that are active in the current mask (no churn among equals),
-then the lower flat index. NaN scores rank last. With ``structure=(n, m)`` every group
-of ``m`` consecutive entries along ``axis`` keeps exactly ``n`` (N:M semi-structured
-sparsity, e.g. 2:4), with the same tie-breaking inside a group.
+then the lower flat index (for ``"global"``: leaves in flattening order). NaN scores
+rank last. The k-th score is found by bisection with counting reductions only (no
+sort, no cumulative sum), so sharded leaves are never gathered.
+
+With ``structure=(n, m)`` every group of ``m`` consecutive entries along ``axis`` keeps
+exactly ``n`` (N:M semi-structured sparsity, e.g. 2:4), with the same tie-breaking
+inside a group.
 
 Purity: the wrapper emits ``u = where(mask, u_inner, -p)`` so that
 ``optax.apply_updates(p, u) == mask * (p + u_inner)`` *exactly* (``p + (-p)`` is an
@@ -185,39 +189,72 @@ def _ordered_key(score: jax.Array) -> jax.Array:
   return jnp.where(u >> 31 == 1, ~u, u | jnp.uint32(0x80000000))
 
 
-def _top_k_mask(score: jax.Array, active: jax.Array, k: jax.Array) -> jax.Array:
-  """Exact top-``k`` of ``score``; ties: active entries first, then low flat index.
+def _count(masks: list[jax.Array]) -> jax.Array:
+  return sum((jnp.sum(m, dtype=jnp.int32) for m in masks), jnp.zeros([], jnp.int32))
 
-  The k-th largest score is found by bisection on the bits of its order-preserving
-  uint32 key (32 counting passes over the leaf: vectorised, and much faster than a
-  sort on CPU and GPU); ties at that value are then taken by a running count.
+
+def _first_r(selected: list[jax.Array], r: jax.Array) -> list[jax.Array]:
+  """The first ``r`` True entries of ``selected`` in global flat-index order.
+
+  Leaves are concatenated in list order. Found by bisection on the index (one count
+  per bit), so no cumulative sum: counts are plain reductions, which stay local
+  (plus a scalar all-reduce) when the leaves are sharded.
   """
-  key = _ordered_key(score.reshape(-1))
-  active = active.reshape(-1)
+  sizes = [m.size for m in selected]
+  total = sum(sizes)
+  offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+  index = [
+    jnp.arange(n, dtype=jnp.int32).reshape(m.shape) + o
+    for m, n, o in zip(selected, sizes, offsets, strict=True)
+  ]
+  nbits = max(total.bit_length(), 1)
+
+  def bit(b, t):
+    cand = t | (jnp.int32(1) << (nbits - 1 - b))
+    below = _count([m & (i < cand) for m, i in zip(selected, index, strict=True)])
+    return jnp.where((cand <= total) & (below < r), cand, t)
+
+  # t: the largest index with fewer than r selected entries before it.
+  t = jax.lax.fori_loop(0, nbits, bit, jnp.int32(0))
+  return [m & (i <= t) & (r > 0) for m, i in zip(selected, index, strict=True)]
+
+
+def _top_k_masks(
+  scores: list[jax.Array], actives: list[jax.Array], k: jax.Array
+) -> list[jax.Array]:
+  """Exact top-``k`` over all entries of ``scores`` (leaves concatenated in order).
+
+  Ties: active entries first, then the lower (global) flat index. The k-th largest
+  score is found by bisection on the bits of its order-preserving uint32 key (32
+  counting passes: vectorised, ~16x faster than ``jnp.sort`` or ``lax.top_k`` on
+  XLA:CPU, and free of gathers when leaves are sharded); ties at that value are
+  split by :func:`_first_r` only when more of them tie than fit.
+  """
+  keys = [_ordered_key(s) for s in scores]
 
   def bit(b, t):
     cand = t | (jnp.uint32(1) << (31 - b).astype(jnp.uint32))
-    return jnp.where(jnp.sum(key >= cand, dtype=jnp.int32) >= k, cand, t)
+    return jnp.where(_count([key >= cand for key in keys]) >= k, cand, t)
 
   t = jax.lax.fori_loop(0, 32, bit, jnp.uint32(0))
-  above = key > t
-  room = k - jnp.sum(above, dtype=jnp.int32)
-  tied = key == t
+  above = [key > t for key in keys]
+  room = k - _count(above)
+  tied = [key == t for key in keys]
 
   def split_ties():
-    # Rare with continuous scores: more entries tie at the threshold than fit.
-    tied_active = tied & active
-    tied_inactive = tied & ~active
-    rank_active = jnp.cumsum(tied_active, dtype=jnp.int32)
-    rank_inactive = jnp.cumsum(tied_inactive, dtype=jnp.int32)
-    room_inactive = room - jnp.sum(tied_active, dtype=jnp.int32)
-    return (tied_active & (rank_active <= room)) | (
-      tied_inactive & (rank_inactive <= room_inactive)
-    )
+    tied_active = [m & a for m, a in zip(tied, actives, strict=True)]
+    tied_inactive = [m & ~a for m, a in zip(tied, actives, strict=True)]
+    first_active = _first_r(tied_active, room)
+    first_inactive = _first_r(tied_inactive, room - _count(tied_active))
+    return [a | b for a, b in zip(first_active, first_inactive, strict=True)]
 
-  all_fit = jnp.sum(tied, dtype=jnp.int32) <= room
-  keep = above | jax.lax.cond(all_fit, lambda: tied, split_ties)
-  return (keep & (k > 0)).reshape(score.shape)
+  keep_tied = jax.lax.cond(_count(tied) <= room, lambda: tied, split_ties)
+  return [(a | b) & (k > 0) for a, b in zip(above, keep_tied, strict=True)]
+
+
+def _top_k_mask(score: jax.Array, active: jax.Array, k: jax.Array) -> jax.Array:
+  """:func:`_top_k_masks` of one leaf."""
+  return _top_k_masks([score], [active], k)[0]
 
 
 def _num_keep(sparsity: jax.Array, n: int) -> jax.Array:
@@ -483,14 +520,12 @@ def periodic_mask(
         k = _num_keep(target, scores[i].size)
         out[i] = _top_k_mask(scores[i], old[i], k)
     elif idx:
-      flat_s = jnp.concatenate([scores[i].reshape(-1) for i in idx])
-      flat_a = jnp.concatenate([old[i].reshape(-1) for i in idx])
-      keep = _top_k_mask(flat_s, flat_a, _num_keep(target, flat_s.size))
-      offset = 0
-      for i in idx:
-        n = scores[i].size
-        out[i] = keep[offset : offset + n].reshape(scores[i].shape)
-        offset += n
+      n = sum(scores[i].size for i in idx)
+      keep = _top_k_masks(
+        [scores[i] for i in idx], [old[i] for i in idx], _num_keep(target, n)
+      )
+      for i, m in zip(idx, keep, strict=True):
+        out[i] = m
     return out
 
   def update_fn(updates, state, params=None, **extra_args):

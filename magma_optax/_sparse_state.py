@@ -41,6 +41,12 @@ helper returns the state unchanged and offload behaves exactly like skip.
 
 The base must be element-wise for ``compact`` to equal ``skip`` (a global-norm clip
 sees only the active entries in compact storage and every entry in skip storage).
+
+Sharding: skip and offload storage keep the parameters' layout (element-wise ops
+only). Compact storage is one flat vector per leaf indexed by global flat indices, so
+under a mesh XLA gathers the leaf's mask and gradient to build it (checked on 8 CPU
+devices with ``AxisType.Auto``), and meshes with ``AxisType.Explicit`` axes are not
+supported by compact storage yet (the gather has no unambiguous output sharding).
 """
 
 from __future__ import annotations

@@ -365,3 +365,13 @@ def test_top_k_with_heavy_ties_matches_numpy():
     want = np_keep(score, active, 1.0 - k / n)
     assert got.sum() == k, trial
     np.testing.assert_array_equal(got, want, err_msg=str(trial))
+
+
+def test_global_ranking_ties_follow_leaf_order():
+  params = {"a": jnp.ones((2, 3)), "b": jnp.ones(4)}  # flattened order: a, then b
+  tx = magma.periodic_mask(
+    optax.sgd(0.0), sparsity=0.4, every=1, importance="magnitude", ranking="global"
+  )
+  _, state = jax.jit(tx.update)(params, tx.init(params), params)
+  np.testing.assert_array_equal(np.asarray(state.mask["a"]), np.ones((2, 3), bool))
+  np.testing.assert_array_equal(np.asarray(state.mask["b"]), [0, 0, 0, 0])
