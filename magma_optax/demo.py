@@ -20,9 +20,9 @@ and Adam+Magma 2.128 -- Adam ahead at this size and horizon. ``benchmarks/RESULT
 has the learning-rate sweep and the controls.
 
 Sizes. ``--size small`` (default, ~0.87M parameters, 4 layers, width 128) with 8
-sequences of 128 bytes per step and 300 steps used 122 CPU-seconds (2 min 50 s wall
-on a shared, loaded 2-core machine; so roughly 1-2 min on two quiet cores, not
-measured quiet);
+sequences of 128 bytes per step and 300 steps took 118 s wall in all (125
+CPU-seconds) on a shared 2-core machine at load average ~3, and 2 min 50 s at load
+~6 (measured 2026-11-29; the results are identical run to run);
 ``--size tiny`` is a few seconds' smoke test; ``--size medium`` wants an accelerator.
 
 References:
