@@ -6,8 +6,9 @@ with parameters sharded on a ``jax.sharding.Mesh`` (``AxisType.Auto`` or
 :func:`magma`, :func:`skip_update`, :func:`bernoulli_mask`, :func:`alignment_mask`
 and :func:`damping` the per-block sums become partial sums plus an all-reduce of
 block-sized values: no parameter-sized array is gathered on one device.
-(:func:`periodic_mask` ranks each flattened leaf with a ``cumsum`` for its exact
-top-k; XLA gathers those leaves.)
+The same holds for :func:`periodic_mask` and ``sparse_state(mode="skip")``; the
+``"compact"`` storage of :func:`sparse_state` keeps one flat vector of active entries
+per leaf, which XLA gathers (use ``"skip"`` on sharded parameters).
 What users need from this module is the *layout of the state*:
 
 * :func:`state_shardings` -- the shardings of ``tx.init(params)``: a state leaf with a

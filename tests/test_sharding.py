@@ -112,12 +112,6 @@ def test_no_parameter_sized_collectives(report, run):
   assert not big, f"parameter-sized collectives in the compiled step: {big}"
 
 
-@pytest.mark.xfail(
-  reason="periodic_mask: the tie-breaking jnp.cumsum over each flattened leaf in"
-  " _top_k_mask (_periodic.py) makes XLA all-gather whole leaves (s32[256] for a"
-  " 16x16 leaf). Found here, left to the sparse-training owner.",
-  strict=False,
-)
 def test_sparse_wrappers_no_parameter_sized_gathers(report):
   if "sparse" not in report:
     pytest.skip("the package has no periodic_mask/sparse_state")
