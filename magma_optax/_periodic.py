@@ -325,6 +325,21 @@ def reset_moments(
   return inner_state
 
 
+def validate_nm_structure(structure: Any) -> tuple[int, int]:
+  """Checks an N:M structure ``(n, m)``: ints with ``1 <= n <= m``."""
+  ok = (
+    isinstance(structure, tuple | list)
+    and len(structure) == 2
+    and all(isinstance(v, int) and not isinstance(v, bool) for v in structure)
+  )
+  if not ok or not 1 <= structure[0] <= structure[1]:
+    raise ValueError(
+      f"structure must be None or (n, m) ints with 1 <= n <= m (N:M keeps n of"
+      f" every m); got {structure!r}."
+    )
+  return tuple(structure)
+
+
 def periodic_mask(
   inner: optax.GradientTransformation,
   *,
@@ -424,17 +439,7 @@ def periodic_mask(
   if not isinstance(axis, int):
     raise ValueError(f"axis must be an int; got {axis!r}.")
   if structure is not None:
-    ok = (
-      isinstance(structure, tuple | list)
-      and len(structure) == 2
-      and all(isinstance(v, int) and not isinstance(v, bool) for v in structure)
-    )
-    if not ok or not 1 <= structure[0] <= structure[1]:
-      raise ValueError(
-        f"structure must be None or (n, m) ints with 1 <= n <= m (N:M keeps n of"
-        f" every m); got {structure!r}."
-      )
-    structure = tuple(structure)
+    structure = validate_nm_structure(structure)
     if sparsity is not None and not _schedules.is_schedule(sparsity):
       implied = 1.0 - structure[0] / structure[1]
       if abs(float(sparsity) - implied) > 1e-6:

@@ -59,6 +59,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from magma_optax import _periodic
 from magma_optax import _scoping
 
 MODES = ("skip", "compact", "offload")
@@ -210,16 +211,7 @@ def sparse_state(
   if mode not in MODES:
     raise ValueError(f"mode must be one of {MODES}; got {mode!r}.")
   if structure is not None:
-    ok = (
-      isinstance(structure, tuple | list)
-      and len(structure) == 2
-      and all(isinstance(v, int) and not isinstance(v, bool) for v in structure)
-    )
-    if not ok or not 1 <= structure[0] <= structure[1]:
-      raise ValueError(
-        f"structure must be None or (n, m) ints with 1 <= n <= m; got {structure!r}."
-      )
-    structure = tuple(structure)
+    structure = _periodic.validate_nm_structure(structure)
     if density is not None:
       raise ValueError("give density or structure, not both.")
   if density is not None and not (
