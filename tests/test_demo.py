@@ -20,7 +20,7 @@ def results(tmp_path_factory):
 def test_demo_writes_png_and_table(results, capsys):
   res, out = results
   assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-  assert set(res["runs"]) == {"Adam (lr 0.003)", "Adam+Magma (lr 0.01)"}
+  assert set(res["runs"]) == {"Adam (lr 0.003)", "Adam+Magma (lr 0.003)"}
   text = demo.table(res)
   for name, r in res["runs"].items():
     assert name in text
