@@ -54,13 +54,8 @@ def damping(
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
-    plans, treedef = _scoping.plan_leaves(
-      updates,
-      where=where,
-      labels=lambda path, leaf: "",
-      keep_prob=1.0,
-      granularity=granularity,
-      stack_axes=stack_axes,
+    plans, treedef = _scoping.plan_scope(
+      updates, where=where, granularity=granularity, stack_axes=stack_axes
     )
     out = []
     for plan, u in zip(plans, treedef.flatten_up_to(updates), strict=True):

@@ -471,14 +471,7 @@ def periodic_mask(
   inner = optax.with_extra_args_support(inner)
 
   def plan(tree):
-    plans, treedef = _scoping.plan_leaves(
-      tree,
-      where=where,
-      labels=lambda path, leaf: "",
-      keep_prob=1.0,
-      granularity="tensor",
-      stack_axes=0,
-    )
+    plans, treedef = _scoping.plan_scope(tree, where=where)
     return plans, treedef
 
   def check_structure(plans, leaves):

@@ -216,6 +216,24 @@ def plan_leaves(
   return plans, treedef
 
 
+def plan_scope(
+  tree: Any,
+  *,
+  where: Where,
+  granularity: _blocks.Granularity = "tensor",
+  stack_axes: int = 0,
+) -> tuple[list[LeafPlan], Any]:
+  """:func:`plan_leaves` for transforms that only need the scope (no labels or p)."""
+  return plan_leaves(
+    tree,
+    where=where,
+    labels=lambda path, leaf: "",
+    keep_prob=1.0,
+    granularity=granularity,
+    stack_axes=stack_axes,
+  )
+
+
 def match_state(plans: list[LeafPlan], state_tree: Any) -> list[LeafPlan]:
   """Restricts ``plans`` to the leaves that have per-block state.
 

@@ -238,14 +238,7 @@ def sparse_state(
   base = optax.with_extra_args_support(base)
 
   def leaf_plans(tree):
-    plans, treedef = _scoping.plan_leaves(
-      tree,
-      where=where,
-      labels=lambda path, leaf: "",
-      keep_prob=1.0,
-      granularity="tensor",
-      stack_axes=0,
-    )
+    plans, treedef = _scoping.plan_scope(tree, where=where)
     out = []
     for p, x in zip(plans, treedef.flatten_up_to(tree), strict=True):
       size = int(math.prod(jnp.shape(x)))
