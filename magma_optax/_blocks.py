@@ -122,6 +122,17 @@ def block_layout(
   Raises:
     ValueError: if ``stack_axes`` exceeds the leaf's rank or a tile does not divide
       the axes it cuts.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import magma_optax as magma
+    >>> layout = magma.block_layout((6, 4), (3, 2))  # 3x2 tiles
+    >>> layout.block_shape, layout.block_size
+    ((2, 2), 6)
+    >>> layout.block_sum(jnp.ones((6, 4))).tolist()
+    [[6.0, 6.0], [6.0, 6.0]]
+    >>> magma.block_layout((8, 5, 3), "tensor", stack_axes=1).block_shape  # per layer
+    (8,)
   """
   shape = tuple(int(d) for d in shape)
   if stack_axes > len(shape):

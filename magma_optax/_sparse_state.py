@@ -450,7 +450,13 @@ def sparse_state(
 
 
 def host_offload_available(device: jax.Device | None = None) -> bool:
-  """Whether ``device`` (default: the first) has a ``pinned_host`` memory kind."""
+  """Whether ``device`` (default: the first) has a ``pinned_host`` memory kind.
+
+  Example:
+    >>> import magma_optax as magma
+    >>> isinstance(magma.host_offload_available(), bool)
+    True
+  """
   if _SPACE is None:
     return False
   device = device or jax.devices()[0]

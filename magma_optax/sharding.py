@@ -282,6 +282,14 @@ def abstract_state(
 
   Returns:
     A pytree like ``tx.init(params)`` of ``jax.ShapeDtypeStruct`` with shardings.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import magma_optax as magma
+    >>> tx = magma.magma(optax.adam(1e-3))
+    >>> target = magma.sharding.abstract_state(tx, {"w": jnp.ones((4, 4))})
+    >>> target.inner_state[0].mu["w"].shape
+    (4, 4)
   """
   shardings = state_shardings(tx, params, mesh=mesh)
   abstract = jax.eval_shape(tx.init, params)
