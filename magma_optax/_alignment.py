@@ -17,6 +17,7 @@ applies it to a base optimizer's update with the base's own first moment.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 from typing import NamedTuple
 
@@ -124,15 +125,14 @@ def make_alignment(
   if momentum_dtype is not None:
     momentum_dtype = jnp.dtype(momentum_dtype)
 
-  def plan(tree):
-    return _scoping.plan_leaves(
-      tree,
-      where=where,
-      labels=labels,
-      keep_prob=keep_prob,
-      granularity=granularity,
-      stack_axes=stack_axes,
-    )
+  plan = functools.partial(
+    _scoping.plan_leaves,
+    where=where,
+    labels=labels,
+    keep_prob=keep_prob,
+    granularity=granularity,
+    stack_axes=stack_axes,
+  )
 
   def init(params, own_momentum):
     plans, treedef = plan(params)

@@ -14,6 +14,7 @@ the same mask for the same key -- the guarantee replicas need to stay identical.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 from typing import NamedTuple
 
@@ -191,15 +192,14 @@ def bernoulli_mask(
   if not isinstance(rescale, bool):
     raise ValueError(f"rescale must be a bool; got {rescale!r}.")
 
-  def plan(tree):
-    return _scoping.plan_leaves(
-      tree,
-      where=where,
-      labels=labels,
-      keep_prob=keep_prob,
-      granularity=granularity,
-      stack_axes=stack_axes,
-    )
+  plan = functools.partial(
+    _scoping.plan_leaves,
+    where=where,
+    labels=labels,
+    keep_prob=keep_prob,
+    granularity=granularity,
+    stack_axes=stack_axes,
+  )
 
   def init_fn(params):
     plans, treedef = plan(params)
