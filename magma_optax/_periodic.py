@@ -51,6 +51,7 @@ gradients for pruned weights).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
@@ -189,8 +190,28 @@ def _ordered_key(score: jax.Array) -> jax.Array:
   return jnp.where(u >> 31 == 1, ~u, u | jnp.uint32(0x80000000))
 
 
+_EXACT_F32 = 2**24  # float32 holds every integer up to here exactly
+
+
+def _count_leaf(mask: jax.Array) -> jax.Array:
+  """Number of True entries of ``mask``, as int32.
+
+  Summed in float32, which XLA:CPU vectorises (an int32 sum runs ~2.6x slower there):
+  exact, in any order, while every partial sum stays <= 2**24. Larger leaves add the
+  float32 sums over their trailing axes (each <= 2**24 entries) in int32. No reshape,
+  so sharded leaves reduce locally.
+  """
+  split = mask.ndim
+  while split > 0 and math.prod(mask.shape[split - 1 :]) <= _EXACT_F32:
+    split -= 1
+  if split == mask.ndim:  # a last axis longer than 2**24
+    return jnp.sum(mask, dtype=jnp.int32)
+  inner = jnp.sum(mask, axis=tuple(range(split, mask.ndim)), dtype=jnp.float32)
+  return jnp.sum(inner.astype(jnp.int32), dtype=jnp.int32)
+
+
 def _count(masks: list[jax.Array]) -> jax.Array:
-  return sum((jnp.sum(m, dtype=jnp.int32) for m in masks), jnp.zeros([], jnp.int32))
+  return sum((_count_leaf(m) for m in masks), jnp.zeros([], jnp.int32))
 
 
 def _first_r(selected: list[jax.Array], r: jax.Array) -> list[jax.Array]:
@@ -550,14 +571,8 @@ def periodic_mask(
     # into the inner optimizer's moment update.
     def refresh():
       masks = new_masks(plans, param_leaves, grads, old, target)
-      num = sum(
-        (jnp.sum(masks[i] & ~old[i], dtype=jnp.int32) for i in scoped),
-        jnp.zeros([], jnp.int32),
-      )
-      kept = sum(
-        (jnp.sum(masks[i], dtype=jnp.float32) for i in scoped),
-        jnp.zeros([], jnp.float32),
-      )
+      num = _count([masks[i] & ~old[i] for i in scoped])
+      kept = _count([masks[i] for i in scoped]).astype(jnp.float32)
       return masks, target, num, 1.0 - kept / total
 
     def keep():

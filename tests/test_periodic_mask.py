@@ -375,3 +375,16 @@ def test_global_ranking_ties_follow_leaf_order():
   _, state = jax.jit(tx.update)(params, tx.init(params), params)
   np.testing.assert_array_equal(np.asarray(state.mask["a"]), np.ones((2, 3), bool))
   np.testing.assert_array_equal(np.asarray(state.mask["b"]), [0, 0, 0, 0])
+
+
+@pytest.mark.parametrize("shape", [(4, 2**23), (2**24 + 4,)])
+def test_counts_stay_exact_beyond_float32_integers(shape):
+  # Counts are float32 sums where XLA:CPU vectorises them. Here the true count is
+  # odd and above 2**24, so no float32 number equals it: a plain float32 sum would
+  # be off, and the count must switch to int32 partial sums.
+  from magma_optax._periodic import _count
+
+  n = int(np.prod(shape))
+  assert int(np.float32(n - 1)) != n - 1
+  mask = jnp.ones(shape, bool).reshape(-1).at[n // 3].set(False).reshape(shape)
+  assert int(jax.jit(lambda m: _count([m]))(mask)) == n - 1
