@@ -214,20 +214,27 @@ def _count(masks: list[jax.Array]) -> jax.Array:
   return sum((_count_leaf(m) for m in masks), jnp.zeros([], jnp.int32))
 
 
-def _first_r(selected: list[jax.Array], r: jax.Array) -> list[jax.Array]:
-  """The first ``r`` True entries of ``selected`` in global flat-index order.
-
-  Leaves are concatenated in list order. Found by bisection on the index (one count
-  per bit), so no cumulative sum: counts are plain reductions, which stay local
-  (plus a scalar all-reduce) when the leaves are sharded.
-  """
-  sizes = [m.size for m in selected]
-  total = sum(sizes)
+def _flat_index(leaves: list[jax.Array]) -> list[jax.Array]:
+  """Each entry's index in the leaves' concatenated flat order (an iota XLA fuses)."""
+  sizes = [m.size for m in leaves]
   offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-  index = [
+  return [
     jnp.arange(n, dtype=jnp.int32).reshape(m.shape) + o
-    for m, n, o in zip(selected, sizes, offsets, strict=True)
+    for m, n, o in zip(leaves, sizes, offsets, strict=True)
   ]
+
+
+def _first_r_cut(
+  selected: list[jax.Array], index: list[jax.Array], r: jax.Array
+) -> jax.Array:
+  """The cut ``t``: ``selected & (index <= t)`` holds the first ``r`` True entries.
+
+  ``t`` is the largest index with fewer than ``r`` selected entries before it, found
+  by bisection on the index (one count per bit), so no cumulative sum: counts are
+  plain reductions, which stay local (plus a scalar all-reduce) when the leaves are
+  sharded. Only meaningful for ``r > 0``.
+  """
+  total = sum(m.size for m in selected)
   nbits = max(total.bit_length(), 1)
 
   def bit(b, t):
@@ -235,9 +242,7 @@ def _first_r(selected: list[jax.Array], r: jax.Array) -> list[jax.Array]:
     below = _count([m & (i < cand) for m, i in zip(selected, index, strict=True)])
     return jnp.where((cand <= total) & (below < r), cand, t)
 
-  # t: the largest index with fewer than r selected entries before it.
-  t = jax.lax.fori_loop(0, nbits, bit, jnp.int32(0))
-  return [m & (i <= t) & (r > 0) for m, i in zip(selected, index, strict=True)]
+  return jax.lax.fori_loop(0, nbits, bit, jnp.int32(0))
 
 
 def _top_k_masks(
@@ -249,7 +254,8 @@ def _top_k_masks(
   score is found by bisection on the bits of its order-preserving uint32 key (32
   counting passes: vectorised, ~16x faster than ``jnp.sort`` or ``lax.top_k`` on
   XLA:CPU, and free of gathers when leaves are sharded); ties at that value are
-  split by :func:`_first_r` only when more of them tie than fit.
+  split by :func:`_first_r_cut` only when more of them tie than fit. The branch
+  returns scalars only, and the masks come from one element-wise pass.
   """
   keys = [_ordered_key(s) for s in scores]
 
@@ -258,19 +264,30 @@ def _top_k_masks(
     return jnp.where(_count([key >= cand for key in keys]) >= k, cand, t)
 
   t = jax.lax.fori_loop(0, 32, bit, jnp.uint32(0))
-  above = [key > t for key in keys]
-  room = k - _count(above)
-  tied = [key == t for key in keys]
+  room = k - _count([key > t for key in keys])
+  index = _flat_index(keys)
 
   def split_ties():
+    tied = [key == t for key in keys]
     tied_active = [m & a for m, a in zip(tied, actives, strict=True)]
     tied_inactive = [m & ~a for m, a in zip(tied, actives, strict=True)]
-    first_active = _first_r(tied_active, room)
-    first_inactive = _first_r(tied_inactive, room - _count(tied_active))
-    return [a | b for a, b in zip(first_active, first_inactive, strict=True)]
+    room_inactive = room - _count(tied_active)
+    return (
+      jnp.where(room > 0, _first_r_cut(tied_active, index, room), -1),
+      jnp.where(
+        room_inactive > 0, _first_r_cut(tied_inactive, index, room_inactive), -1
+      ),
+    )
 
-  keep_tied = jax.lax.cond(_count(tied) <= room, lambda: tied, split_ties)
-  return [(a | b) & (k > 0) for a, b in zip(above, keep_tied, strict=True)]
+  def keep_all_ties():
+    return jnp.int32(jnp.iinfo(jnp.int32).max), jnp.int32(jnp.iinfo(jnp.int32).max)
+
+  n_tied = _count([key == t for key in keys])
+  cut_active, cut_inactive = jax.lax.cond(n_tied <= room, keep_all_ties, split_ties)
+  return [
+    ((key > t) | ((key == t) & (i <= jnp.where(a, cut_active, cut_inactive)))) & (k > 0)
+    for key, a, i in zip(keys, actives, index, strict=True)
+  ]
 
 
 def _top_k_mask(score: jax.Array, active: jax.Array, k: jax.Array) -> jax.Array:

@@ -242,3 +242,24 @@ def test_bad_mask_shape_raises():
   tx = magma.sparse_state(optax.adam(LR), mode="skip")
   with pytest.raises(ValueError, match="shape"):
     tx.update(params, tx.init(params), params, param_mask={"w": jnp.ones(4, bool)})
+
+
+def test_active_indices_match_numpy_nonzero():
+  from magma_optax._sparse_state import _active_indices
+
+  rng = np.random.default_rng(4)
+  run = jax.jit(_active_indices, static_argnums=1)
+  # Lengths that are not multiples of 32, densities 0 and 1, and capacities below
+  # the number of active entries (the first `size` are kept) and above it (filled).
+  for n in (1, 31, 33, 100):
+    for density in (0.0, 0.3, 1.0):
+      mask = rng.random(n) < density
+      for size in (1, n // 2 + 1, n, n + 5):
+        got, count = run(jnp.asarray(mask), size)
+        assert int(count) == mask.sum()
+        want = np.full(size, n)
+        idx = np.flatnonzero(mask)[:size]
+        want[: idx.size] = idx
+        np.testing.assert_array_equal(
+          np.asarray(got), want, err_msg=f"{n} {density} {size}"
+        )
