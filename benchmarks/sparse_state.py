@@ -4,7 +4,8 @@ Prints two tables:
 
 1. For densities 0.1 / 0.3 / 0.5 / 1.0: optimizer-state bytes and the step time of
    ``sparse_state(adam, mode="compact")`` and ``mode="skip"`` as ratios to dense
-   ``optax.adam`` on the same parameters (the mask is an input here: its storage is
+   ``optax.adam`` on the same parameters, and N:M compact storage for a random 2:4
+   mask (``structure=(2, 4)``) (the mask is an input here: its storage is
    reported separately). Target: compact state bytes <= density + 0.05 of dense.
 2. The amortised cost of ``periodic_mask``'s refresh at ``every`` = 1, 10, 100: mean
    step time of ``periodic_mask(adam, sparsity=0.5, every=E)`` over a window of steps,
@@ -56,6 +57,18 @@ def random_mask(params: dict, density: float) -> dict:
     order = jax.random.permutation(jax.random.key(100 + i), n)
     flat = jnp.zeros(n, bool).at[order[:keep]].set(True)
     return flat.reshape(x.shape)
+
+  leaves, treedef = jax.tree.flatten(params)
+  return treedef.unflatten([one(i, x) for i, x in enumerate(leaves)])
+
+
+def random_n_m_mask(params: dict, n: int, m: int) -> dict:
+  """``n`` active entries at random in every ``m`` consecutive ones (last axis)."""
+
+  def one(i, x):
+    groups = x.size // m
+    order = jax.random.uniform(jax.random.key(200 + i), (groups, m)).argsort(axis=1)
+    return (order < n).reshape(x.shape)
 
   leaves, treedef = jax.tree.flatten(params)
   return treedef.unflatten([one(i, x) for i, x in enumerate(leaves)])
@@ -120,6 +133,11 @@ def table_sizes(params, grads, adam, n, args):
       runners[mode, d], st = timer(tx, params, grads, args.steps, mask)
       bytes_[mode, d] = state_bytes(st)
 
+  nm_mask = random_n_m_mask(params, 2, 4)
+  tx = magma.sparse_state(adam, mode="compact", structure=(2, 4))
+  runners["2:4"], st = timer(tx, params, grads, args.steps, nm_mask)
+  bytes_["2:4"] = state_bytes(st)
+
   med = {k: min(v) for k, v in interleaved(runners, args.repeats).items()}
 
   print(
@@ -134,6 +152,10 @@ def table_sizes(params, grads, adam, n, args):
       f" | {med['compact', d] / med['dense']:.2f}"
       f" | {med['skip', d] / med['dense']:.2f} |"
     )
+  print(
+    f"| 0.5 (2:4) | {bytes_['2:4'] / bytes_['dense']:.3f} | |"
+    f" {med['2:4'] / med['dense']:.2f} | |"
+  )
   print(
     f"\n(bytes and times are ratios to dense Adam; the bool mask itself is"
     f" {n:,} B = {n / bytes_['dense']:.3f} of dense Adam's state; density 1.0"

@@ -10,8 +10,7 @@ transform). Per scoped leaf, one of two storages is used:
 * **compact**: the base runs on a fixed-capacity vector holding only the active
   entries, gathered from the gradient and scattered back into the update
   (at the indices of the active entries, ``capacity`` of them, so shapes are static
-  under ``jax.jit``). The capacity is ``ceil(density * size)``, or exactly
-  ``size * n / m`` for an N:M mask.
+  under ``jax.jit``). The capacity is ``ceil(density * size)``.
   A mask with more active entries than the capacity is an error: a ``ValueError``
   when the mask is concrete, and a runtime error whose message says "capacity
   overflow" under ``jax.jit`` (raised from a host callback that runs only then).
@@ -22,6 +21,14 @@ transform). Per scoped leaf, one of two storages is used:
   equals ``skip`` numerically for element-wise bases such as Adam, RMSProp, SGD with
   momentum). The stored-entry set is kept as a packed bit mask (1 bit per entry), so
   the state is ``capacity * (per-entry base state) + size / 8`` bytes.
+* **compact, N:M** (``structure=(n, m)``, ``m <= 32``): the same, group by group:
+  every ``m`` consecutive entries along ``axis`` keep ``n`` slots, so the stored
+  leaf has the parameter's shape with ``axis`` shrunk by ``n / m``, plus ``m`` bits
+  per group (an 8-, 16- or 32-bit integer). Slot ``s`` holds the group's ``s``-th
+  active entry. Gathering, scattering and moving moments between slots are
+  element-wise selections within a group: no flat index, no gather, which also
+  makes it faster than flat compact storage. A group with more than ``n`` active
+  entries is a capacity overflow (the same errors as above).
 
 **Auto-dense.** Compact storage costs the active entries plus bookkeeping and a gather
 / scatter per step; above a density of ``density_threshold`` (default 0.6, the seed's
@@ -43,11 +50,14 @@ helper returns the state unchanged and offload behaves exactly like skip.
 The base must be element-wise for ``compact`` to equal ``skip`` (a global-norm clip
 sees only the active entries in compact storage and every entry in skip storage).
 
-Sharding: skip and offload storage keep the parameters' layout (element-wise ops
-only). Compact storage is one flat vector per leaf indexed by global flat indices, so
-under a mesh XLA gathers the leaf's mask and gradient to build it (checked on 8 CPU
-devices with ``AxisType.Auto``), and meshes with ``AxisType.Explicit`` axes are not
-supported by compact storage yet (the gather has no unambiguous output sharding).
+Sharding: skip, offload and N:M compact storage keep the parameters' layout
+(element-wise ops, and reductions within a group; a shard must hold whole groups
+along ``axis``) -- checked on 8 CPU devices with ``AxisType.Auto`` and ``Explicit``
+meshes: no parameter-sized collective, results equal to one device. Unstructured
+compact storage is one flat vector per leaf indexed by global flat indices, so under
+a mesh XLA gathers the leaf's mask and gradient to build it (checked with
+``AxisType.Auto``), and meshes with ``AxisType.Explicit`` axes are not supported by
+it (the gather has no unambiguous output sharding).
 """
 
 from __future__ import annotations
@@ -91,10 +101,12 @@ class SparseState(NamedTuple):
 
   Attributes:
     base_state: the base optimizer's state over the *stored* tree: a compact leaf
-      is stored as a ``(capacity,)`` vector, other leaves at their full shape.
+      is stored as a ``(capacity,)`` vector (N:M: the parameter's shape with ``axis``
+      shrunk by ``n / m``), other leaves at their full shape.
     stored_bits: per compact leaf a uint8 ``(ceil(size / 8),)`` packed bit mask of
-      the entries held in the compact slots (in flat-index order);
-      ``optax.MaskedNode`` for leaves with dense storage.
+      the entries held in the compact slots (in flat-index order), or for N:M
+      compact storage one ``m``-bit integer per group (the parameter's shape with
+      ``axis`` divided by ``m``); ``optax.MaskedNode`` for leaves with dense storage.
     inactive_steps: per scoped leaf (offload mode) an int32 scalar, consecutive
       steps with an all-inactive mask; ``optax.MaskedNode`` otherwise.
     cold: per scoped leaf (offload mode) a bool scalar, ``inactive_steps >=
@@ -107,10 +119,104 @@ class SparseState(NamedTuple):
   cold: Any
 
 
+class _Groups(NamedTuple):
+  """Compact storage of an N:M mask, group by group (``m`` consecutive entries along
+  ``axis``): the leaf's shape with ``axis`` shrunk by ``n / m``.
+
+  Slot ``s`` of a group holds its ``s``-th active entry (in index order). Every
+  operation is element-wise or a reduction over the ``m`` (or ``n``) entries of one
+  group, so a leaf sharded along any axis -- ``axis`` too, in whole groups -- stays
+  local: no gather, no scatter, no flat index.
+  """
+
+  shape: tuple[int, ...]
+  axis: int  # non-negative
+  n: int
+  m: int
+
+  def _resized(self, size: int) -> tuple[int, ...]:
+    return self.shape[: self.axis] + (size,) + self.shape[self.axis + 1 :]
+
+  @property
+  def stored_shape(self) -> tuple[int, ...]:
+    return self._resized(self.shape[self.axis] // self.m * self.n)
+
+  @property
+  def bits_shape(self) -> tuple[int, ...]:
+    return self._resized(self.shape[self.axis] // self.m)
+
+  @property
+  def bits_dtype(self) -> Any:
+    return jnp.uint8 if self.m <= 8 else jnp.uint16 if self.m <= 16 else jnp.uint32
+
+  def _split(self, x: jax.Array, width: int) -> jax.Array:
+    x = jnp.moveaxis(x, self.axis, -1)
+    return x.reshape(*x.shape[:-1], x.shape[-1] // width, width)
+
+  def _join(self, y: jax.Array) -> jax.Array:
+    y = y.reshape(*y.shape[:-2], y.shape[-2] * y.shape[-1])
+    return jnp.moveaxis(y, -1, self.axis)
+
+  def slots(self, mask: jax.Array) -> jax.Array:
+    """int8 ``(..., groups, m)``: each entry's slot in its group; ``n`` for none
+    (inactive, or beyond the ``n``-th active entry)."""
+    active = self._split(mask, self.m).astype(jnp.int8)
+    # Unrolled over the m entries (as below): XLA:CPU runs reductions and scans
+    # over a tiny trailing axis 3-4x slower than these element-wise selections.
+    rank = [jnp.zeros(active.shape[:-1], jnp.int8)]
+    for i in range(self.m - 1):
+      rank.append(rank[-1] + active[..., i])
+    rank = jnp.stack(rank, axis=-1)
+    return jnp.where((active > 0) & (rank < self.n), rank, jnp.int8(self.n))
+
+  def per_group(self, mask: jax.Array) -> jax.Array:
+    return jnp.sum(self._split(mask, self.m), axis=-1, dtype=jnp.int32)
+
+  def compact(self, x: jax.Array, slots: jax.Array) -> jax.Array:
+    """Leaf-shaped -> stored-shaped (empty slots 0)."""
+    v = self._split(x, self.m)
+    out = []
+    for s in range(self.n):
+      acc = jnp.zeros(v.shape[:-1], x.dtype)
+      for i in range(self.m):
+        acc = jnp.where(slots[..., i] == s, v[..., i], acc)
+      out.append(acc)
+    return self._join(jnp.stack(out, axis=-1))
+
+  def expand(self, c: jax.Array, slots: jax.Array) -> jax.Array:
+    """Stored-shaped -> leaf-shaped (0 where no slot)."""
+    v = self._split(c, self.n)
+    out = []
+    for i in range(self.m):
+      acc = jnp.zeros(v.shape[:-1], c.dtype)
+      for s in range(self.n):
+        acc = jnp.where(slots[..., i] == s, v[..., s], acc)
+      out.append(acc)
+    return self._join(jnp.stack(out, axis=-1))
+
+  def filled(self, slots: jax.Array) -> jax.Array:
+    """Stored-shaped bool: the slot holds an entry."""
+    used = [jnp.any(slots == s, axis=-1) for s in range(self.n)]
+    return self._join(jnp.stack(used, axis=-1))
+
+  def pack(self, mask: jax.Array) -> jax.Array:
+    """One integer of ``m`` bits per group (``bits_shape``)."""
+    dtype = self.bits_dtype
+    bit = jnp.left_shift(jnp.ones([], dtype), jnp.arange(self.m, dtype=dtype))
+    picked = jnp.where(self._split(mask, self.m), bit, jnp.zeros([], dtype))
+    return jnp.moveaxis(jnp.sum(picked, axis=-1, dtype=dtype), -1, self.axis)
+
+  def unpack(self, bits: jax.Array) -> jax.Array:
+    b = jnp.moveaxis(bits, self.axis, -1)[..., None]
+    shift = jnp.arange(self.m).astype(self.bits_dtype)
+    return self._join(((b >> shift) & 1).astype(jnp.bool_))
+
+
 class _Leaf(NamedTuple):
-  kind: str  # "plain" (unscoped), "skip" or "compact"
+  kind: str  # "plain" (unscoped), "skip", "compact" (flat) or "grouped" (N:M)
   size: int
   capacity: int
+  groups: _Groups | None = None
 
 
 def _active_indices(flat_mask: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
@@ -157,6 +263,27 @@ def _raise_overflow(active, capacity):
   )
 
 
+def _raise_group_overflow(active, n, m):
+  raise ValueError(
+    f"sparse_state compact capacity overflow: a group of {int(m)} entries has"
+    f" {int(active)} active but structure=({int(n)}, {int(m)}) stores {int(n)};"
+    " the mask is not N:M along `axis` (give periodic_mask the same structure and"
+    " axis, or use mode='skip')."
+  )
+
+
+def _check(active, limit, raise_fn, *args):
+  """``raise_fn(active, *args)`` if ``active > limit``; at run time under jit."""
+  if isinstance(active, jax.core.Tracer):
+    jax.lax.cond(
+      active > limit,
+      lambda: jax.debug.callback(raise_fn, active, *args),
+      lambda: None,
+    )
+  elif int(active) > limit:
+    raise_fn(active, *args)
+
+
 def _per_entry_map(fn, shapes, treedef, *trees):
   """Maps ``fn(i, *leaves)`` over per-entry subtrees of ``trees``; keeps the rest.
 
@@ -192,6 +319,7 @@ def sparse_state(
   mode: str = "skip",
   density: float | None = None,
   structure: tuple[int, int] | None = None,
+  axis: int = -1,
   density_threshold: float = DEFAULT_DENSITY_THRESHOLD,
   offload_after: int = 100,
   where: _scoping.Where = None,
@@ -204,6 +332,7 @@ def sparse_state(
       skip:     u, s' = base(g, s);   s <- where(M, s', s);   u <- where(M, u, 0)
       compact:  I = nonzero(M, size=C);  u_I, s_I <- base(g[I], s_I);
                 u = scatter(u_I at I)          (s_I holds only C slots)
+      N:M:      the same within each group of m along axis (n slots per group)
 
   Args:
     base: an element-wise optimizer such as ``optax.adam(1e-3)``; it receives the
@@ -212,7 +341,14 @@ def sparse_state(
     density: upper bound in (0, 1] on the fraction of active entries per leaf;
       sets the compact capacity ``ceil(density * size)``. Needed for ``"compact"``
       unless ``structure`` is given.
-    structure: ``(n, m)`` for N:M masks: exact capacity ``size * n / m``.
+    structure: ``(n, m)`` for N:M masks (``n`` active in every ``m`` consecutive
+      entries along ``axis``, as :func:`magma_optax.periodic_mask` makes them):
+      compact storage then keeps ``n`` slots per group, the leaf's shape with
+      ``axis`` shrunk by ``n / m``, plus ``m`` bits per group. It is local to each
+      group, so it keeps the parameter's sharding (no gathers). A group with more
+      than ``n`` active entries is a capacity overflow. ``m > 32``: flat storage of
+      exact capacity ``size * n / m``.
+    axis: the axis of the N:M groups (default: the last, as ``periodic_mask``).
     density_threshold: leaves with capacity above this fraction of their size use
       skip storage (default 0.6).
     offload_after: K >= 1, steps of an all-inactive mask after which a leaf is cold
@@ -266,7 +402,19 @@ def sparse_state(
     or (offload_after < 1)
   ):
     raise ValueError(f"offload_after must be an int >= 1; got {offload_after!r}.")
+  if isinstance(axis, bool) or not isinstance(axis, int):
+    raise ValueError(f"axis must be an int; got {axis!r}.")
   base = optax.with_extra_args_support(base)
+
+  def groups_of(shape):
+    ndim = len(shape)
+    if not -ndim <= axis < ndim or shape[axis] % structure[1]:
+      raise ValueError(
+        f"structure={structure} along axis={axis} needs every scoped leaf to have"
+        f" that axis with a length that is a multiple of {structure[1]}; a leaf has"
+        f" shape {shape}."
+      )
+    return _Groups(tuple(shape), axis % ndim, *structure)
 
   def leaf_plans(tree):
     plans, treedef = _scoping.plan_scope(tree, where=where)
@@ -277,37 +425,43 @@ def sparse_state(
         out.append(_Leaf("plain", size, size))
         continue
       if mode == "compact" and size > 0:
-        if structure is not None and size % structure[1]:
-          raise ValueError(
-            f"structure={structure} needs every scoped leaf's size to be a"
-            f" multiple of {structure[1]}; a leaf has shape {jnp.shape(x)}."
-          )
+        groups = None if structure is None else groups_of(tuple(jnp.shape(x)))
         cap = _capacity(size, density, structure)
         if cap <= density_threshold * size:
-          out.append(_Leaf("compact", size, cap))
+          if groups is not None and groups.m <= 32:
+            out.append(_Leaf("grouped", size, cap, groups))
+          else:
+            out.append(_Leaf("compact", size, cap))
           continue
       out.append(_Leaf("skip", size, size))
     return out, treedef
 
+  def stored_shape(lf, x):
+    if lf.kind == "compact":
+      return (lf.capacity,)
+    if lf.kind == "grouped":
+      return lf.groups.stored_shape
+    return tuple(jnp.shape(x))
+
   def stored_shapes(leaves, tree_leaves):
-    return [
-      (lf.capacity,) if lf.kind == "compact" else tuple(jnp.shape(x))
-      for lf, x in zip(leaves, tree_leaves, strict=True)
-    ]
+    return [stored_shape(lf, x) for lf, x in zip(leaves, tree_leaves, strict=True)]
 
   def init_fn(params):
     leaves, treedef = leaf_plans(params)
     flat = treedef.flatten_up_to(params)
     stored = [
-      jnp.zeros((lf.capacity,), x.dtype) if lf.kind == "compact" else x
+      x if lf.kind in ("plain", "skip") else jnp.zeros(stored_shape(lf, x), x.dtype)
       for lf, x in zip(leaves, flat, strict=True)
     ]
-    bits = [
-      jnp.zeros(((lf.size + 7) // 8,), jnp.uint8)
-      if lf.kind == "compact"
-      else optax.MaskedNode()
-      for lf in leaves
-    ]
+
+    def no_bits(lf):
+      if lf.kind == "compact":
+        return jnp.zeros(((lf.size + 7) // 8,), jnp.uint8)
+      if lf.kind == "grouped":
+        return jnp.zeros(lf.groups.bits_shape, lf.groups.bits_dtype)
+      return optax.MaskedNode()
+
+    bits = [no_bits(lf) for lf in leaves]
     offload = mode == "offload"
     steps = [
       jnp.zeros([], jnp.int32) if offload and lf.kind != "plain" else None
@@ -335,7 +489,7 @@ def sparse_state(
     out = []
     for i, (lf, m, x) in enumerate(zip(leaves, masks, flat, strict=True)):
       if m is None or _is_masked(m) or lf.kind == "plain":
-        if lf.kind == "compact":
+        if lf.kind in ("compact", "grouped"):
           raise ValueError(
             f"leaf {i} uses compact storage but param_mask has no mask for it;"
             " pass param_mask= (periodic_mask does) or scope the leaf out with"
@@ -360,28 +514,33 @@ def sparse_state(
     bits = jax.tree.leaves(state.stored_bits, is_leaf=_is_masked)
     any_active = [None if m is None else jnp.any(m) for m in masks]
 
-    # Compact leaves: indices of the active entries, and a slot remap on change.
-    new_idx, new_bits, remap = {}, list(bits), {}
+    # Compact leaves: indices of the active entries (flat) or the slot of each
+    # entry in its group (grouped), and a slot remap when the mask changed.
+    new_idx, slots, new_bits, remap = {}, {}, list(bits), {}
     for i, lf in enumerate(leaves):
-      if lf.kind != "compact":
+      if lf.kind == "compact":
+        flat_m = masks[i].reshape(-1)
+        new_idx[i], n_active = _active_indices(flat_m, lf.capacity)
+        _check(n_active, lf.capacity, _raise_overflow, lf.capacity)
+        new_bits[i] = jnp.packbits(flat_m)
+      elif lf.kind == "grouped":
+        groups = lf.groups
+        slots[i] = groups.slots(masks[i])
+        most = jnp.max(groups.per_group(masks[i]))
+        _check(most, groups.n, _raise_group_overflow, groups.n, groups.m)
+        new_bits[i] = groups.pack(masks[i])
+      else:
         continue
-      flat_m = masks[i].reshape(-1)
-      new_idx[i], n_active = _active_indices(flat_m, lf.capacity)
-      if isinstance(n_active, jax.core.Tracer):
-        jax.lax.cond(
-          n_active > lf.capacity,
-          lambda n=n_active, c=lf.capacity: jax.debug.callback(_raise_overflow, n, c),
-          lambda: None,
-        )
-      elif int(n_active) > lf.capacity:
-        _raise_overflow(n_active, lf.capacity)
-      new_bits[i] = jnp.packbits(flat_m)
       remap[i] = jnp.any(new_bits[i] != bits[i])
 
     def remap_state(base_state):
       def move(i, x):
         if i not in remap:
           return x
+        if i in slots:
+          groups = leaves[i].groups
+          old = groups.expand(x, groups.slots(groups.unpack(bits[i])))
+          return groups.compact(old, slots[i])
         old_mask = jnp.unpackbits(bits[i], count=leaves[i].size).astype(jnp.bool_)
         old_idx, _ = _active_indices(old_mask, leaves[i].capacity)
         pos = jnp.clip(jnp.searchsorted(old_idx, new_idx[i]), 0, x.shape[0] - 1)
@@ -408,6 +567,8 @@ def sparse_state(
     old_state = _per_entry_map(fetch, shapes, treedef, base_state)
 
     def gather(i, x):
+      if i in slots:
+        return leaves[i].groups.compact(x, slots[i])
       if leaves[i].kind != "compact":
         return x
       return jnp.take(
@@ -416,17 +577,19 @@ def sparse_state(
 
     stored_g = [gather(i, g) for i, g in enumerate(flat_g)]
     stored_p = None if flat_p is None else [gather(i, p) for i, p in enumerate(flat_p)]
-    stored_mask = [
-      optax.MaskedNode()
-      if m is None
-      else (new_idx[i] < leaves[i].size if leaves[i].kind == "compact" else m)
-      for i, m in enumerate(masks)
-    ]
+
+    def stored_mask(i, m):
+      if m is None:
+        return optax.MaskedNode()
+      if i in slots:
+        return leaves[i].groups.filled(slots[i])
+      return new_idx[i] < leaves[i].size if leaves[i].kind == "compact" else m
+
     base_updates, new_state = base.update(
       treedef.unflatten(stored_g),
       old_state,
       None if stored_p is None else treedef.unflatten(stored_p),
-      param_mask=treedef.unflatten(stored_mask),
+      param_mask=treedef.unflatten([stored_mask(i, m) for i, m in enumerate(masks)]),
       **extra_args,
     )
 
@@ -457,6 +620,8 @@ def sparse_state(
           .set(u, mode="drop", indices_are_sorted=True)
         )
         out.append(full.reshape(jnp.shape(g)))
+      elif lf.kind == "grouped":
+        out.append(lf.groups.expand(u, slots[i]))
       elif masks[i] is not None:
         out.append(jnp.where(masks[i], u, jnp.zeros([], u.dtype)))
       else:

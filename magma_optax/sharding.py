@@ -6,9 +6,11 @@ with parameters sharded on a ``jax.sharding.Mesh`` (``AxisType.Auto`` or
 :func:`magma`, :func:`skip_update`, :func:`bernoulli_mask`, :func:`alignment_mask`
 and :func:`damping` the per-block sums become partial sums plus an all-reduce of
 block-sized values: no parameter-sized array is gathered on one device.
-The same holds for :func:`periodic_mask` and ``sparse_state(mode="skip")``; the
-``"compact"`` storage of :func:`sparse_state` keeps one flat vector of active entries
-per leaf, which XLA gathers (use ``"skip"`` on sharded parameters).
+The same holds for :func:`periodic_mask`, ``sparse_state(mode="skip")`` and N:M
+compact storage (``sparse_state(mode="compact", structure=(n, m))``, per group, so
+its state keeps the parameter's partition spec when every shard holds whole groups).
+Unstructured ``"compact"`` storage keeps one flat vector of active entries per leaf,
+which XLA gathers (use ``"skip"`` or an N:M structure on sharded parameters).
 What users need from this module is the *layout of the state*:
 
 * :func:`state_shardings` -- the shardings of ``tx.init(params)``: a state leaf with a

@@ -60,9 +60,11 @@ def sharded_arrays(name: str) -> dict[str, np.ndarray]:
 @functools.cache
 def reference(name: str) -> dict[str, np.ndarray]:
   """The same run on one device ("core", "sparse", "explicit" or "mlp")."""
-  if name == "explicit":  # a subset of the core cases: filter the core run
+  if name == "explicit":  # a subset of the core and sparse cases: filter those runs
     keep = tuple(f"['{case}']" for case in worker.EXPLICIT_CASES)
-    return {k: v for k, v in reference("core").items() if any(c in k for c in keep)}
+    sparse = reference("sparse") if worker.sparse_transforms() else {}
+    both = {**reference("core"), **sparse}
+    return {k: v for k, v in both.items() if any(c in k for c in keep)}
   _, out_dir = sharded_results()
   with np.load(os.path.join(out_dir, f"ref_{name}.npz")) as data:
     return dict(data)

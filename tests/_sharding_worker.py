@@ -92,21 +92,34 @@ def core_transforms():
   }
 
 
-EXPLICIT_CASES = ("magma_adam_row", "skip_update_sgd_element")
+EXPLICIT_CASES = (
+  "magma_adam_row",
+  "skip_update_sgd_element",
+  "periodic_mask_sparse_state_nm_compact",
+)
 
 
 def sparse_transforms():
   """The sparse-training wrappers (empty if the package does not have them)."""
   if not hasattr(magma, "periodic_mask") or not hasattr(magma, "sparse_state"):
     return {}
-  # One case covers both wrappers (periodic_mask hands its mask to sparse_state).
-  # "skip" storage: compact storage keeps one flat vector per leaf by design and is
-  # documented to gather (magma_optax/sharding.py).
+  # Each case covers both wrappers (periodic_mask hands its mask to sparse_state).
+  # Skip storage, and N:M compact storage (per group, so it keeps the sharding;
+  # every FLAT axis holds whole groups of 4 per device). Unstructured compact
+  # storage keeps one flat vector per leaf by design and is documented to gather.
   return {
     "periodic_mask_sparse_state_skip": (
       magma.periodic_mask(
         magma.sparse_state(optax.adam(0.1), mode="skip"),
         sparsity=0.5,
+        every=2,
+      ),
+      FLAT,
+    ),
+    "periodic_mask_sparse_state_nm_compact": (
+      magma.periodic_mask(
+        magma.sparse_state(optax.adam(0.1), mode="compact", structure=(2, 4)),
+        structure=(2, 4),
         every=2,
       ),
       FLAT,
@@ -452,7 +465,8 @@ def main(out_dir):
   # JAX; the same transforms must work there too.
   explicit = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
   with jax.set_mesh(explicit):
-    cases = {k: v for k, v in core_transforms().items() if k in EXPLICIT_CASES}
+    every = {**core_transforms(), **sparse_transforms()}
+    cases = {k: v for k, v in every.items() if k in EXPLICIT_CASES}
     report["explicit"] = sharded_run("explicit", cases, explicit, out_dir)
   lap("explicit")
   with open(os.path.join(out_dir, "report.json"), "w") as f:

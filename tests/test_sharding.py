@@ -119,6 +119,25 @@ def test_sparse_wrappers_no_parameter_sized_gathers(report):
   assert not big, big
 
 
+def test_n_m_compact_state_keeps_parameter_shardings(report):
+  # Grouped (N:M) compact storage shrinks the group axis by n/m; the moments and
+  # the per-group bits stay sharded like their parameter.
+  if "sparse" not in report:
+    pytest.skip("the package has no periodic_mask/sparse_state")
+  r = report["sparse"]
+  assert r["state_matches_helper"]
+  checked = 0
+  for path, leaf in r["state"].items():
+    if "nm_compact" not in path or not any(
+      f".{field}[" in path for field in ("mu", "nu", "stored_bits")
+    ):
+      continue
+    case, name = path.split("'")[1], path.split("'")[-2]
+    assert leaf["spec"] == r["params"][f"['{case}']['{name}']"]["spec"], path
+    checked += 1
+  assert checked == 3 * 4  # mu, nu and bits of 4 leaves
+
+
 @pytest.mark.parametrize("run", ["core", "explicit", "sparse", "mlp"])
 def test_compiles_once(report, run):
   if run not in report:

@@ -142,10 +142,87 @@ def test_n_m_capacity_is_exact():
     every=1,
   )
   state = tx.init(params)
-  assert state.inner_state.base_state[0].mu["w"].shape == (16,)
+  # Grouped storage: 2 slots per group of 4 along the last axis, 4 bits per group.
+  assert state.inner_state.base_state[0].mu["w"].shape == (4, 4)
+  assert state.inner_state.stored_bits["w"].shape == (4, 2)
+  assert state.inner_state.stored_bits["w"].dtype == jnp.uint8
   grads = tree(3, [(4, 8)])
   updates, state = jax.jit(tx.update)({"w": grads["p0"]}, state, params)
   assert int(jnp.sum(updates["w"] != 0)) == 16
+
+
+def n_m_history(mode, axis, shapes, structure=(2, 4), steps=7):
+  """periodic_mask(sparse_state(adam, mode), N:M along axis): params per step."""
+  inner = magma.sparse_state(
+    optax.adam(LR),
+    mode=mode,
+    structure=structure if mode == "compact" else None,
+    axis=axis,
+  )
+  tx = magma.periodic_mask(
+    inner, structure=structure, axis=axis, every=2, importance=lambda p, g: jnp.abs(g)
+  )
+  params = tree(2, shapes)
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  history, regrown = [], 0
+  for t in range(steps):
+    updates, state = step(tree(10 + t, shapes), state, params)
+    params = optax.apply_updates(params, updates)
+    regrown += int(state.num_regrown)
+    history.append(params)
+  return history, state, regrown
+
+
+@pytest.mark.parametrize(
+  "axis, shapes, structure",
+  [(-1, [(4, 8), (8,)], (2, 4)), (0, [(8, 3), (4, 2, 2)], (1, 4))],
+)
+def test_n_m_grouped_compact_equals_skip(axis, shapes, structure):
+  skip, _, regrown = n_m_history("skip", axis, shapes, structure)
+  grouped, state, _ = n_m_history("compact", axis, shapes, structure)
+  assert regrown > 0  # the comparison covers moments moving between slots
+  n, m = structure
+  for i, shape in enumerate(shapes):
+    want = list(shape)
+    want[axis] = want[axis] // m * n
+    assert state.inner_state.base_state[0].mu[f"p{i}"].shape == tuple(want)
+  for a, b in zip(skip, grouped, strict=True):
+    for k in a:
+      np.testing.assert_allclose(np.asarray(a[k]), np.asarray(b[k]), atol=1e-6)
+
+
+def test_n_m_grouped_state_bytes():
+  params = {"w": jnp.zeros((64, 64)), "v": jnp.zeros((32, 128))}
+  dense = state_bytes(optax.adam(LR).init(params))
+  for structure, density in [((2, 4), 0.5), ((1, 4), 0.25), ((2, 16), 0.125)]:
+    tx = magma.sparse_state(optax.adam(LR), mode="compact", structure=structure)
+    ratio = state_bytes(tx.init(params)) / dense
+    assert density <= ratio <= density + 0.05, structure
+
+
+def test_n_m_grouped_overflow_and_bad_axis():
+  params = {"w": jnp.ones((2, 8))}
+  tx = magma.sparse_state(optax.adam(LR), mode="compact", structure=(2, 4))
+  state = tx.init(params)
+  three_of_four = {"w": jnp.tile(jnp.array([1, 1, 1, 0, 1, 1, 0, 0], bool), (2, 1))}
+  with pytest.raises(ValueError, match="capacity overflow: a group of 4"):
+    tx.update(params, state, params, param_mask=three_of_four)
+  with pytest.raises(Exception, match="capacity overflow"):
+    out = jax.jit(tx.update)(params, state, params, param_mask=three_of_four)
+    jax.block_until_ready(out)
+  with pytest.raises(ValueError, match="multiple of 4"):
+    magma.sparse_state(optax.adam(LR), mode="compact", structure=(2, 4), axis=0).init(
+      {"w": jnp.ones((6, 8))}
+    )
+  with pytest.raises(ValueError, match="axis must be an int"):
+    magma.sparse_state(optax.adam(LR), mode="compact", structure=(2, 4), axis=1.0)
+
+
+def test_n_m_wide_groups_fall_back_to_flat_storage():
+  tx = magma.sparse_state(optax.adam(LR), mode="compact", structure=(1, 64))
+  state = tx.init({"w": jnp.zeros((2, 64))})
+  assert state.base_state[0].mu["w"].shape == (2,)
 
 
 def test_capacity_overflow_raises():
