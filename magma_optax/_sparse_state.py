@@ -163,7 +163,7 @@ class _Groups(NamedTuple):
     active = self._split(mask, self.m).astype(jnp.int8)
     # Unrolled over the m entries (as below): XLA:CPU runs reductions and scans
     # over a tiny trailing axis 3-4x slower than these element-wise selections.
-    rank = [jnp.zeros(active.shape[:-1], jnp.int8)]
+    rank = [jnp.zeros_like(active[..., 0])]  # zeros_like keeps the sharding
     for i in range(self.m - 1):
       rank.append(rank[-1] + active[..., i])
     rank = jnp.stack(rank, axis=-1)
@@ -177,7 +177,7 @@ class _Groups(NamedTuple):
     v = self._split(x, self.m)
     out = []
     for s in range(self.n):
-      acc = jnp.zeros(v.shape[:-1], x.dtype)
+      acc = jnp.zeros_like(v[..., 0])
       for i in range(self.m):
         acc = jnp.where(slots[..., i] == s, v[..., i], acc)
       out.append(acc)
@@ -188,7 +188,7 @@ class _Groups(NamedTuple):
     v = self._split(c, self.n)
     out = []
     for i in range(self.m):
-      acc = jnp.zeros(v.shape[:-1], c.dtype)
+      acc = jnp.zeros_like(v[..., 0])
       for s in range(self.n):
         acc = jnp.where(slots[..., i] == s, v[..., s], acc)
       out.append(acc)
