@@ -13,8 +13,8 @@ Prints two tables:
    window) and to plain ``optax.adam``. Target: <= 1.05 at ``every=100``. The last
    column is the cost of one refresh in wrapper steps, ``(ratio - 1) * every``.
 
-Within a round every configuration is measured once, interleaved (the order rotates
-between rounds), so the ratios compare runs under the same machine load. Table 1
+Within a round every configuration is measured once, interleaved (in a seeded
+shuffled order), so the ratios compare runs under the same machine load. Table 1
 shows the best (minimum) time of ``--repeats`` rounds; table 2 the median over rounds
 of the ratios within each round (paired, which is steadier when the ratios are close
 to 1). ``--refresh-only`` skips table 1.
@@ -27,6 +27,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 
@@ -105,12 +106,15 @@ def timer(tx, params, grads, steps, mask=None):
 
 
 def interleaved(runners: dict, repeats: int) -> dict:
-  """Times per configuration, one per round; every round runs each once, in rotated
-  order, so the i-th times of two configurations saw the same machine load."""
+  """Times per configuration, one per round; every round runs each once, in a
+  shuffled order (seeded), so the i-th times of two configurations saw the same
+  machine load and no configuration always follows the same one."""
   keys = list(runners)
   times = {k: [] for k in keys}
   for r in range(repeats):
-    for k in keys[r % len(keys) :] + keys[: r % len(keys)]:
+    order = keys[:]
+    random.Random(r).shuffle(order)
+    for k in order:
       times[k].append(runners[k]())
   return times
 
