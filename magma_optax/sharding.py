@@ -90,16 +90,15 @@ def _block_spec(
 ) -> tuple[Any, ...] | None:
   """Partition spec of a per-block array of a parameter, or ``None`` if ambiguous.
 
-  Same rank as the parameter (tiles): axis i keeps the parameter's entry when it is
-  a whole or tiled copy of axis i. Lower rank: the named granularities and stack
+  Same rank as the parameter: axis i keeps the parameter's entry (tiles: axis i
+  counts the tiles along it; N:M compact storage of :func:`sparse_state`: axis i is
+  the parameter's, shrunk by n/m). Lower rank: the named granularities and stack
   depths whose block shape matches propose which parameter axes survive; they must
   agree (``"row"`` and ``"column"`` of a square matrix do not).
   """
   ndim = len(param_shape)
   if len(leaf_shape) == ndim:
-    if all(p % b == 0 for b, p in zip(leaf_shape, param_shape, strict=True)):
-      return spec
-    return None
+    return spec
   candidates = set()
   for stack_axes in range(ndim + 1):
     for granularity in ("tensor", "row", "column"):

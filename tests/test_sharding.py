@@ -197,6 +197,17 @@ def test_state_shardings_of_block_arrays(granularity, stack_axes, shape, spec, w
   )
 
 
+def test_state_shardings_of_n_m_compact_storage():
+  # 3:8 along the columns: stored moments (8, 6) and bits (8, 2) of an (8, 16)
+  # parameter keep its partition spec (6 does not divide 16).
+  tx = magma.sparse_state(optax.adam(1e-3), mode="compact", structure=(3, 8))
+  params = {"w": _abstract((8, 16), P("x", "y"))}
+  shardings = magma.sharding.state_shardings(tx, params)
+  assert jax.eval_shape(tx.init, params).base_state[0].mu["w"].shape == (8, 6)
+  assert shardings.base_state[0].mu["w"].spec == P("x", "y")
+  assert shardings.stored_bits["w"].spec == P("x", "y")
+
+
 def test_state_shardings_with_masked_leaves_and_chains():
   params = {"w": _abstract((8, 4), P("x")), "b": _abstract((4,), P())}
   tx = optax.chain(
