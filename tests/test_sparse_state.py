@@ -176,7 +176,11 @@ def n_m_history(mode, axis, shapes, structure=(2, 4), steps=7):
 
 @pytest.mark.parametrize(
   "axis, shapes, structure",
-  [(-1, [(4, 8), (8,)], (2, 4)), (0, [(8, 3), (4, 2, 2)], (1, 4))],
+  [
+    (-1, [(4, 8), (8,)], (2, 4)),
+    (0, [(8, 3), (4, 2, 2)], (1, 4)),
+    (-1, [(2, 64)], (3, 32)),  # 32-bit group patterns
+  ],
 )
 def test_n_m_grouped_compact_equals_skip(axis, shapes, structure):
   skip, _, regrown = n_m_history("skip", axis, shapes, structure)
@@ -195,7 +199,12 @@ def test_n_m_grouped_compact_equals_skip(axis, shapes, structure):
 def test_n_m_grouped_state_bytes():
   params = {"w": jnp.zeros((64, 64)), "v": jnp.zeros((32, 128))}
   dense = state_bytes(optax.adam(LR).init(params))
-  for structure, density in [((2, 4), 0.5), ((1, 4), 0.25), ((2, 16), 0.125)]:
+  for structure, density in [
+    ((2, 4), 0.5),
+    ((1, 4), 0.25),
+    ((2, 16), 0.125),
+    ((1, 32), 1 / 32),
+  ]:
     tx = magma.sparse_state(optax.adam(LR), mode="compact", structure=structure)
     ratio = state_bytes(tx.init(params)) / dense
     assert density <= ratio <= density + 0.05, structure
