@@ -56,8 +56,8 @@ along ``axis``) -- checked on 8 CPU devices with ``AxisType.Auto`` and ``Explici
 meshes: no parameter-sized collective, results equal to one device. Unstructured
 compact storage is one flat vector per leaf indexed by global flat indices, so under
 a mesh XLA gathers the leaf's mask and gradient to build it (checked with
-``AxisType.Auto``), and meshes with ``AxisType.Explicit`` axes are not supported by
-it (the gather has no unambiguous output sharding).
+``AxisType.Auto``); a leaf sharded over ``AxisType.Explicit`` axes is an error that
+says so (the gather has no unambiguous output sharding).
 """
 
 from __future__ import annotations
@@ -247,6 +247,22 @@ def _active_indices(flat_mask: jax.Array, size: int) -> tuple[jax.Array, jax.Arr
     .min(index, mode="drop", indices_are_sorted=True)
   )
   return indices, jnp.sum(count)
+
+
+def _explicit_axes(x: Any) -> set[str]:
+  """Mesh axes of type ``Explicit`` that shard ``x`` (empty outside such meshes)."""
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  types = getattr(mesh, "axis_types", ())
+  explicit = {
+    name
+    for name, kind in zip(mesh.axis_names if types else (), types, strict=True)
+    if kind == jax.sharding.AxisType.Explicit
+  }
+  used = set()
+  for entry in getattr(sharding, "spec", ()):
+    used.update(entry if isinstance(entry, tuple) else (entry,))
+  return explicit & used
 
 
 def _capacity(size: int, density: float | None, structure) -> int:
@@ -519,6 +535,14 @@ def sparse_state(
     new_idx, slots, new_bits, remap = {}, {}, list(bits), {}
     for i, lf in enumerate(leaves):
       if lf.kind == "compact":
+        axes = _explicit_axes(flat_g[i]) | _explicit_axes(masks[i])
+        if axes:
+          raise ValueError(
+            f"sparse_state: unstructured compact storage does not support leaves"
+            f" sharded over Explicit mesh axes ({sorted(axes)}): it keeps one flat"
+            " vector per leaf. Use mode='skip', or N:M compact storage"
+            " (structure=(n, m)), which keeps the parameter's sharding."
+          )
         flat_m = masks[i].reshape(-1)
         new_idx[i], n_active = _active_indices(flat_m, lf.capacity)
         _check(n_active, lf.capacity, _raise_overflow, lf.capacity)

@@ -127,6 +127,20 @@ def sparse_transforms():
   }
 
 
+def flat_compact_error(mesh):
+  """The error of unstructured compact storage on an Explicit-axis mesh (or None)."""
+  tx = magma.sparse_state(optax.adam(0.1), mode="compact", density=0.5)
+  sharding = NamedSharding(mesh, P(None, "y"))
+  params = {"w": jax.device_put(jnp.ones((8, 16)), sharding)}
+  mask = {"w": jax.device_put(jnp.arange(128).reshape(8, 16) % 2 == 0, sharding)}
+  step = jax.jit(lambda p, s, m: tx.update(p, s, p, param_mask=m))
+  try:
+    step(params, tx.init(params), mask)
+  except ValueError as e:
+    return str(e)
+  return None
+
+
 def per_case(txs):
   """One optimizer running ``txs[name]`` on ``params[name]`` (like multi_transform,
   but every transform sees its own subtree exactly as if used alone)."""
@@ -468,6 +482,8 @@ def main(out_dir):
     every = {**core_transforms(), **sparse_transforms()}
     cases = {k: v for k, v in every.items() if k in EXPLICIT_CASES}
     report["explicit"] = sharded_run("explicit", cases, explicit, out_dir)
+    if sparse_transforms():
+      report["explicit_flat_compact"] = flat_compact_error(explicit)
   lap("explicit")
   with open(os.path.join(out_dir, "report.json"), "w") as f:
     json.dump(report, f, indent=1)

@@ -138,6 +138,14 @@ def test_n_m_compact_state_keeps_parameter_shardings(report):
   assert checked == 3 * 4  # mu, nu and bits of 4 leaves
 
 
+def test_flat_compact_storage_rejects_explicit_axes_clearly(report):
+  if "explicit_flat_compact" not in report:
+    pytest.skip("the package has no periodic_mask/sparse_state")
+  message = report["explicit_flat_compact"]
+  assert message is not None and "Explicit mesh axes (['y'])" in message
+  assert "structure=(n, m)" in message
+
+
 @pytest.mark.parametrize("run", ["core", "explicit", "sparse", "mlp"])
 def test_compiles_once(report, run):
   if run not in report:
