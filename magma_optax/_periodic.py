@@ -252,10 +252,10 @@ def _top_k_masks(
 
   Ties: active entries first, then the lower (global) flat index. The k-th largest
   score is found by bisection on the bits of its order-preserving uint32 key (at
-  most 32 counting passes: vectorised, ~16x faster than ``jnp.sort`` or ``lax.top_k`` on
-  XLA:CPU, and free of gathers when leaves are sharded); ties at that value are
-  split by :func:`_first_r_cut` only when more of them tie than fit. The branch
-  returns scalars only, and the masks come from one element-wise pass.
+  most 32 counting passes: vectorised, ~16x faster than ``jnp.sort`` or
+  ``lax.top_k`` on XLA:CPU, and free of gathers when leaves are sharded); ties at
+  that value are split by :func:`_first_r_cut` only when more of them tie than fit.
+  The branch returns scalars only, and the masks come from one element-wise pass.
   """
   keys = [_ordered_key(s) for s in scores]
 

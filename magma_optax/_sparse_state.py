@@ -196,7 +196,12 @@ class _Groups(NamedTuple):
 
   def filled(self, slots: jax.Array) -> jax.Array:
     """Stored-shaped bool: the slot holds an entry."""
-    used = [jnp.any(slots == s, axis=-1) for s in range(self.n)]
+    used = []
+    for s in range(self.n):
+      acc = slots[..., 0] == s
+      for i in range(1, self.m):
+        acc = acc | (slots[..., i] == s)
+      used.append(acc)
     return self._join(jnp.stack(used, axis=-1))
 
   def pack(self, mask: jax.Array) -> jax.Array:
