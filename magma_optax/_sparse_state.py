@@ -392,6 +392,15 @@ def sparse_state(
     >>> state.inner_state.base_state[0].mu["w"].shape
     (4,)
 
+    N:M storage keeps the parameter's shape, with the group axis shrunk by n / m:
+
+    >>> tx = magma.periodic_mask(
+    ...     magma.sparse_state(optax.adam(1e-3), mode="compact", structure=(2, 4)),
+    ...     structure=(2, 4), every=100)
+    >>> state = tx.init(params)
+    >>> state.inner_state.base_state[0].mu["w"].shape
+    (4, 2)
+
   References:
     Lee et al., jaxpruner, arXiv 2304.14082 (2023) (dense state for pruned weights,
     which this avoids).
