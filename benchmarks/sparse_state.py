@@ -85,25 +85,22 @@ def state_bytes(state) -> int:
   return sum(x.nbytes for x in jax.tree.leaves(state) if hasattr(x, "nbytes"))
 
 
-DONATE = False  # --donate: params and state donated to the step (set in main)
-
-
-def timer(tx, params, grads, steps, mask=None):
+def timer(tx, params, grads, steps, mask=None, *, donate=False):
   """Returns a function timing ``steps`` jitted updates, and the initial state.
 
   Gradients and mask are jit arguments (closed-over constants would be folded).
-  With ``DONATE`` the step donates params and state, as training loops usually do;
+  With ``donate`` the step donates params and state, as training loops usually do;
   every timed run then starts from fresh copies (made before the clock starts).
   """
 
-  @functools.partial(jax.jit, donate_argnums=(0, 1) if DONATE else ())
+  @functools.partial(jax.jit, donate_argnums=(0, 1) if donate else ())
   def step(p, s, g, m):
     extra = {} if m is None else {"param_mask": m}
     u, s = tx.update(g, s, p, **extra)
     return optax.apply_updates(p, u), s
 
   state = tx.init(params)
-  fresh = lambda: jax.tree.map(jnp.copy, (params, state)) if DONATE else (params, state)
+  fresh = lambda: jax.tree.map(jnp.copy, (params, state)) if donate else (params, state)
   jax.block_until_ready(step(*fresh(), grads, mask))  # compile
 
   def run():
@@ -141,18 +138,20 @@ def table_sizes(params, grads, adam, n, args):
   """Table 1: state bytes and step time of compact and skip storage."""
   densities = (0.1, 0.3, 0.5, 1.0)
   runners, bytes_ = {}, {}
-  runners["dense"], st = timer(adam, params, grads, args.steps)
+  runners["dense"], st = timer(adam, params, grads, args.steps, donate=args.donate)
   bytes_["dense"] = state_bytes(st)
   for d in densities:
     mask = random_mask(params, d)
     for mode in ("compact", "skip"):
       tx = magma.sparse_state(adam, mode=mode, density=d if mode == "compact" else None)
-      runners[mode, d], st = timer(tx, params, grads, args.steps, mask)
+      runners[mode, d], st = timer(
+        tx, params, grads, args.steps, mask, donate=args.donate
+      )
       bytes_[mode, d] = state_bytes(st)
 
   nm_mask = random_n_m_mask(params, 2, 4)
   tx = magma.sparse_state(adam, mode="compact", structure=(2, 4))
-  runners["2:4"], st = timer(tx, params, grads, args.steps, nm_mask)
+  runners["2:4"], st = timer(tx, params, grads, args.steps, nm_mask, donate=args.donate)
   bytes_["2:4"] = state_bytes(st)
 
   med = {k: min(v) for k, v in interleaved(runners, args.repeats).items()}
@@ -191,8 +190,6 @@ def main():
     "--donate", action="store_true", help="donate params and state to each step"
   )
   args = ap.parse_args()
-  global DONATE
-  DONATE = args.donate
 
   params = make_params(args.width, args.layers)
   grads = jax.tree.map(lambda x: jnp.full_like(x, 0.01), params)
@@ -201,7 +198,7 @@ def main():
     f"# jax {jax.__version__} on {jax.devices()[0].platform};"
     f" {n:,} parameters ({args.layers} x [{args.width}x{args.width} + bias]);"
     f" {args.steps} steps x {args.repeats} rounds"
-    f"{'; params and state donated' if DONATE else ''}"
+    f"{'; params and state donated' if args.donate else ''}"
   )
 
   adam = optax.adam(1e-3)
@@ -220,7 +217,7 @@ def main():
     ),
   }
   refresh = {}
-  refresh["adam"], _ = timer(adam, params, grads, window)
+  refresh["adam"], _ = timer(adam, params, grads, window, donate=args.donate)
   # Two identical no-refresh wrappers: the second one's ratio is the noise floor.
   for name in ("never", "never (copy)"):
     refresh[name], _ = timer(
@@ -228,6 +225,7 @@ def main():
       params,
       grads,
       window,
+      donate=args.donate,
     )
   for target, sparsity in targets.items():
     for every in (1, 10, 100):
@@ -236,6 +234,7 @@ def main():
         params,
         grads,
         window,
+        donate=args.donate,
       )
   times = interleaved(refresh, args.repeats)
   print(
