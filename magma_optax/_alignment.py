@@ -152,7 +152,9 @@ def make_alignment(
     overall, by_label = _masks.active_fractions(plans, masks)
     return AlignmentMaskState(
       count=jnp.zeros([], jnp.int32),
-      key=key,
+      # A fresh buffer per state: a donated state must not delete the key that
+      # the next init() would hand out.
+      key=jnp.copy(key),
       scores=treedef.unflatten(scores),
       mask=treedef.unflatten(masks),
       momentum=treedef.unflatten(momentum),

@@ -207,7 +207,9 @@ def bernoulli_mask(
     overall, by_label = active_fractions(plans, masks)
     return BernoulliMaskState(
       count=jnp.zeros([], jnp.int32),
-      key=key,
+      # A fresh buffer per state: a donated state must not delete the key that
+      # the next init() would hand out.
+      key=jnp.copy(key),
       mask=treedef.unflatten(masks),
       active_fraction=overall,
       active_fraction_by_label=by_label,

@@ -363,3 +363,23 @@ def test_skip_update_bad_input():
     magma.skip_update(optax.adam(1e-3), rescale="yes")
   with pytest.raises(ValueError, match="key"):
     magma.skip_update(optax.adam(1e-3), key="seed")
+
+
+@pytest.mark.parametrize(
+  "make",
+  [
+    lambda: magma.magma(optax.adam(1e-3), key=1),
+    lambda: magma.skip_update(optax.adam(1e-3), key=1),
+    lambda: magma.adam_magma(1e-3, key=1),
+    lambda: optax.chain(magma.alignment_mask(key=1), optax.sgd(1e-3)),
+    lambda: optax.chain(magma.bernoulli_mask(0.5, key=1), optax.sgd(1e-3)),
+  ],
+)
+def test_init_after_a_donated_step(make):
+  # Training loops donate the optimizer state; the PRNG key inside it must be a
+  # buffer of that state alone, or the next init() hands out a deleted key.
+  tx = make()
+  params = {"w": jnp.ones((4, 4))}
+  step = jax.jit(lambda s, g: tx.update(g, s, params)[1], donate_argnums=0)
+  jax.block_until_ready(step(tx.init(params), params))
+  jax.block_until_ready(step(tx.init(params), params))
