@@ -65,7 +65,7 @@ def _static_float(name: str, value: Any, valid: str) -> float:
     raise ValueError(
       f"{name} must be a Python float ({valid}), not a traced value: it is a"
       " constant of the fused kernel. With optax.inject_hyperparams, pass"
-      " static_args=('b1', 'b2', 'eps', 'eps_root', 'stack_axes')."
+      " static_args=('b1', 'b2', 'eps', 'eps_root')."
     )
   if isinstance(value, bool):
     raise ValueError(f"{name} must be a float {valid}; got {value!r}.")
@@ -101,7 +101,7 @@ def adam_magma(
   score_decay: float = 0.9,
   init_score: float = 0.5,
   granularity: _blocks.Granularity = "tensor",
-  stack_axes: int = 0,
+  stack_axes: int | None = None,
   where: _scoping.Where = None,
   labels: _scoping.Labels = None,
   implementation: str | Sequence[str] | None = None,
@@ -141,7 +141,8 @@ def adam_magma(
     granularity: block granularity (``"tensor"``, ``"row"``, ``"column"``,
       ``"element"`` or a tile shape). The Pallas kernel needs contiguous blocks
       (not ``"column"`` or tiles); the default falls back to XLA for those.
-    stack_axes: number of leading axes that index stacked (scanned) layers.
+    stack_axes: number of leading axes that index stacked (scanned) layers
+      (``None``: 0, which keeps it out of ``optax.inject_hyperparams``).
     where: which leaves get Magma (``None``: all floating leaves; e.g.
       :func:`attention_mlp_weights`, the paper's scope).
     labels: labels for per-label keep probabilities and statistics.
@@ -209,6 +210,7 @@ def adam_magma(
     momentum_dtype=None,
   )
   granularity = _blocks.validate_granularity(granularity)
+  stack_axes = _blocks.validate_stack_axes(stack_axes)
   keep_prob = _scoping.validate_keep_prob(keep_prob)
 
   def init_fn(params):

@@ -143,7 +143,9 @@ def make_alignment(
         scores.append(optax.MaskedNode())
         momentum.append(optax.MaskedNode())
         continue
-      scores.append(jnp.full(p.layout.block_shape, init_score, dtype=jnp.float32))
+      # zeros + s_0, not jnp.full: a full of a scalar array can return that very
+      # array (an inject_hyperparams value), and a donated state must own its buffers.
+      scores.append(jnp.zeros(p.layout.block_shape, jnp.float32) + init_score)
       if own_momentum(p):
         momentum.append(jnp.zeros(x.shape, momentum_dtype or x.dtype))
       else:

@@ -383,3 +383,26 @@ def test_init_after_a_donated_step(make):
   step = jax.jit(lambda s, g: tx.update(g, s, params)[1], donate_argnums=0)
   jax.block_until_ready(step(tx.init(params), params))
   jax.block_until_ready(step(tx.init(params), params))
+
+
+@pytest.mark.parametrize(
+  "factory, kwargs",
+  [
+    (magma.magma, {"tau": 2.0}),
+    (magma.skip_update, {"keep_prob": 0.5}),
+    (magma.adam_magma, {}),
+  ],
+)
+def test_injected_state_owns_its_buffers(factory, kwargs):
+  # optax.inject_hyperparams keeps every numeric argument as an array in the state;
+  # no other state leaf may be that same buffer (a donated step would donate it
+  # twice), and the defaults of static arguments must not be picked up.
+  base = (1e-3,) if factory is magma.adam_magma else (optax.adam(1e-3),)
+  static = ("b1", "b2", "eps", "eps_root") if factory is magma.adam_magma else ()
+  tx = optax.inject_hyperparams(factory, static_args=static)(*base, **kwargs)
+  params = {"w": jnp.ones((4, 4)), "b": jnp.zeros(4)}
+  state = tx.init(params)
+  arrays = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
+  assert len({id(x) for x in arrays}) == len(arrays)
+  step = jax.jit(lambda s, g: tx.update(g, s, params)[1], donate_argnums=0)
+  jax.block_until_ready(step(step(state, params), params))

@@ -210,7 +210,7 @@ def test_weight_decay_needs_params_and_pallas_needs_accelerator():
 
 
 def test_inject_hyperparams(params):
-  static = ("b1", "b2", "eps", "eps_root", "stack_axes", "implementation")
+  static = ("b1", "b2", "eps", "eps_root", "implementation")
   injected = optax.inject_hyperparams(magma.adam_magma, static_args=static)(
     learning_rate=1e-2, tau=2.0, keep_prob=0.5, key=5, implementation="xla"
   )
