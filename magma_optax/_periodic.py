@@ -461,14 +461,20 @@ def periodic_mask(
     Lee et al., jaxpruner, arXiv 2304.14082 (2023);
     Mishra et al., Accelerating Sparse Deep Neural Networks (2:4), arXiv 2104.08378.
   """
+  # Python ints: they shape the traced step. optax.inject_hyperparams turns numeric
+  # arguments, defaults included, into arrays, hence the hint.
+  hint = (
+    " (With optax.inject_hyperparams, pass static_args=('every', 'start', 'end',"
+    " 'axis').)"
+  )
   if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-    raise ValueError(f"every must be an int >= 1; got {every!r}.")
+    raise ValueError(f"every must be an int >= 1; got {every!r}.{hint}")
   if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-    raise ValueError(f"start must be an int >= 0; got {start!r}.")
+    raise ValueError(f"start must be an int >= 0; got {start!r}.{hint}")
   if end is not None and (
     isinstance(end, bool) or not isinstance(end, int) or end < start
   ):
-    raise ValueError(f"end must be None or an int >= start={start}; got {end!r}.")
+    raise ValueError(f"end must be None or an int >= start={start}; got {end!r}.{hint}")
   if not (callable(importance) or importance in IMPORTANCES):
     raise ValueError(
       f"importance must be one of {IMPORTANCES} or a callable (param, grad) ->"
@@ -483,8 +489,8 @@ def periodic_mask(
       f"schedule must be None or one of {RAMPS}; got {schedule!r} (pass a custom"
       " ramp as sparsity=<optax.Schedule>)."
     )
-  if not isinstance(axis, int):
-    raise ValueError(f"axis must be an int; got {axis!r}.")
+  if isinstance(axis, bool) or not isinstance(axis, int):
+    raise ValueError(f"axis must be an int; got {axis!r}.{hint}")
   if structure is not None:
     structure = validate_nm_structure(structure)
     if sparsity is not None and not _schedules.is_schedule(sparsity):

@@ -431,9 +431,15 @@ def sparse_state(
     or not isinstance(offload_after, int)
     or (offload_after < 1)
   ):
-    raise ValueError(f"offload_after must be an int >= 1; got {offload_after!r}.")
+    raise ValueError(
+      f"offload_after must be an int >= 1; got {offload_after!r}. (With"
+      " optax.inject_hyperparams, pass static_args=('axis', 'offload_after').)"
+    )
   if isinstance(axis, bool) or not isinstance(axis, int):
-    raise ValueError(f"axis must be an int; got {axis!r}.")
+    raise ValueError(
+      f"axis must be an int; got {axis!r}. (With optax.inject_hyperparams, pass"
+      " static_args=('axis', 'offload_after').)"
+    )
   base = optax.with_extra_args_support(base)
 
   def groups_of(shape):

@@ -388,3 +388,19 @@ def test_counts_stay_exact_beyond_float32_integers(shape):
   assert int(np.float32(n - 1)) != n - 1
   mask = jnp.ones(shape, bool).reshape(-1).at[n // 3].set(False).reshape(shape)
   assert int(jax.jit(lambda m: _count([m]))(mask)) == n - 1
+
+
+def test_inject_hyperparams_needs_static_ints_and_says_so():
+  params = {"w": jnp.arange(8.0).reshape(2, 4)}
+  with pytest.raises(ValueError, match="static_args=\\('every', 'start'"):
+    optax.inject_hyperparams(magma.periodic_mask)(
+      optax.sgd(0.1), sparsity=0.5, every=1
+    ).init(params)
+  tx = optax.inject_hyperparams(
+    magma.periodic_mask, static_args=("every", "start", "axis")
+  )(optax.sgd(0.1), sparsity=0.5, every=1)
+  state = tx.init(params)
+  updates, state = jax.jit(tx.update)(params, state, params)
+  # The injected sparsity is used: half of the 8 weights are pruned.
+  pruned = optax.apply_updates(params, updates)["w"]
+  assert int(jnp.sum(pruned == 0)) == 4
