@@ -239,7 +239,7 @@ def adam_magma(
       stack_axes=stack_axes,
     )
     mask_state = state.mask_state
-    plans = _scoping.match_state(plans, mask_state.scores)
+    plans = _scoping.match_state(plans, mask_state.scores, treedef)
     count = mask_state.count
     masks = _masks.draw_block_masks(mask_state.key, count, plans)
     count_inc = optax.safe_increment(state.count)
@@ -247,7 +247,6 @@ def adam_magma(
     wd = _schedules.evaluate(weight_decay, state.count) if has_decay else 0.0
     inv_tau = 1.0 / _schedules.evaluate(tau, count)
     decay = score_decay
-    is_masked = lambda x: isinstance(x, optax.MaskedNode)
     grads = treedef.flatten_up_to(updates)
     mus = treedef.flatten_up_to(state.mu)
     nus = treedef.flatten_up_to(state.nu)
@@ -256,8 +255,8 @@ def adam_magma(
       pms = [None] * len(grads)
     else:
       pms = treedef.flatten_up_to(param_mask)
-    old_scores = jax.tree.leaves(mask_state.scores, is_leaf=is_masked)
-    old_norms = jax.tree.leaves(state.mu_sq_norm, is_leaf=is_masked)
+    old_scores = treedef.flatten_up_to(mask_state.scores)
+    old_norms = treedef.flatten_up_to(state.mu_sq_norm)
     out, new_mu, new_nu, new_scores, new_norms = [], [], [], [], []
     for i, plan in enumerate(plans):
       scale: Any = None

@@ -166,12 +166,11 @@ def make_alignment(
 
   def step(deltas, signal, base_momentum, state):
     plans, treedef = plan(deltas)
-    plans = _scoping.match_state(plans, state.scores)
+    plans = _scoping.match_state(plans, state.scores, treedef)
     delta_leaves = treedef.flatten_up_to(deltas)
     signal_leaves = treedef.flatten_up_to(signal)
-    is_masked = lambda x: isinstance(x, optax.MaskedNode)
-    score_leaves = jax.tree.leaves(state.scores, is_leaf=is_masked)
-    momentum_leaves = jax.tree.leaves(state.momentum, is_leaf=is_masked)
+    score_leaves = treedef.flatten_up_to(state.scores)
+    momentum_leaves = treedef.flatten_up_to(state.momentum)
     masks = _masks.draw_block_masks(state.key, state.count, plans)
     inv_tau = 1.0 / _schedules.evaluate(tau, state.count)
     out, new_scores, new_momentum = [], [], []
@@ -183,7 +182,7 @@ def make_alignment(
         new_momentum.append(optax.MaskedNode())
         continue
       own = momentum_leaves[i]
-      if is_masked(own):
+      if isinstance(own, optax.MaskedNode):
         mu = base_momentum[i]
         new_momentum.append(own)
       else:

@@ -218,7 +218,7 @@ def bernoulli_mask(
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
     plans, treedef = plan(updates)
-    plans = _scoping.match_state(plans, state.mask)
+    plans = _scoping.match_state(plans, state.mask, treedef)
     masks = draw_block_masks(state.key, state.count, plans)
     leaves = treedef.flatten_up_to(updates)
     out = []

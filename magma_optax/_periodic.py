@@ -355,8 +355,8 @@ def reset_moments(
   """
   for name in names:
     for path, value in optax.tree_utils.tree_get_all_with_path(inner_state, name):
-      leaves, value_def = jax.tree.flatten(value, is_leaf=_is_masked)
-      if value_def != treedef:
+      leaves = _scoping.per_leaf(treedef, value)
+      if leaves is None:
         continue
       new_leaves = []
       for m, r in zip(leaves, reset, strict=True):
@@ -367,7 +367,7 @@ def reset_moments(
       inner_state = optax.tree_utils.tree_set(
         inner_state,
         lambda p, v, target=path: p == target,
-        **{name: value_def.unflatten(new_leaves)},
+        **{name: treedef.unflatten(new_leaves)},
       )
   return inner_state
 
@@ -585,10 +585,10 @@ def periodic_mask(
         "periodic_mask needs the parameters: call update(updates, state, params)."
       )
     plans, treedef = plan(updates)
-    plans = _scoping.match_state(plans, state.mask)
+    plans = _scoping.match_state(plans, state.mask, treedef)
     grads = treedef.flatten_up_to(updates)
     param_leaves = treedef.flatten_up_to(params)
-    old = jax.tree.leaves(state.mask, is_leaf=_is_masked)
+    old = treedef.flatten_up_to(state.mask)
     count = state.count
     is_refresh = (count >= start) & ((count - start) % every == 0)
     if end is not None:

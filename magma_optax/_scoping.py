@@ -234,7 +234,23 @@ def plan_scope(
   )
 
 
-def match_state(plans: list[LeafPlan], state_tree: Any) -> list[LeafPlan]:
+def per_leaf(treedef: Any, state_tree: Any) -> list[Any] | None:
+  """The entries of a per-leaf state tree, one per leaf of ``treedef``.
+
+  Per-leaf state is ``treedef.unflatten(values)``, a value being an array or an
+  ``optax.MaskedNode`` marking a leaf without state. Splitting it up to
+  ``treedef`` (not by flattening with ``MaskedNode`` as a leaf) keeps the
+  ``MaskedNode`` *subtrees* that ``optax.masked`` and ``optax.multi_transform``
+  put into the parameter tree itself part of the structure. ``None`` if
+  ``state_tree`` does not have that structure.
+  """
+  try:
+    return treedef.flatten_up_to(state_tree)
+  except (ValueError, TypeError):
+    return None
+
+
+def match_state(plans: list[LeafPlan], state_tree: Any, treedef: Any) -> list[LeafPlan]:
   """Restricts ``plans`` to the leaves that have per-block state.
 
   The state decided at ``init`` which leaves are masked (from the parameters); at
@@ -242,11 +258,11 @@ def match_state(plans: list[LeafPlan], state_tree: Any) -> list[LeafPlan]:
   integer parameter's update into floats), so the state is the authority.
   """
   is_masked = lambda x: isinstance(x, optax.MaskedNode)
-  state_leaves = jax.tree.leaves(state_tree, is_leaf=is_masked)
-  if len(state_leaves) != len(plans):
+  state_leaves = per_leaf(treedef, state_tree)
+  if state_leaves is None:
     raise ValueError(
-      f"the updates have {len(plans)} leaves but the mask state was built for"
-      f" {len(state_leaves)}; init the optimizer with the same parameter tree."
+      f"the updates have {len(plans)} leaves, in a tree unlike the one the mask"
+      " state was built for; init the optimizer with the same parameter tree."
     )
   out = []
   for plan, leaf in zip(plans, state_leaves, strict=True):

@@ -313,8 +313,8 @@ def _per_entry_map(fn, shapes, treedef, *trees):
   """
 
   def is_per_entry(node):
-    leaves, node_def = jax.tree.flatten(node, is_leaf=_is_masked)
-    if node_def != treedef:
+    leaves = _scoping.per_leaf(treedef, node)
+    if leaves is None:
       return False
     return all(
       _is_masked(x) or (hasattr(x, "shape") and tuple(x.shape) == s)
@@ -324,7 +324,7 @@ def _per_entry_map(fn, shapes, treedef, *trees):
   def combine(first, *rest):
     if not is_per_entry(first):
       return first
-    flat = [jax.tree.flatten(t, is_leaf=_is_masked)[0] for t in (first, *rest)]
+    flat = [treedef.flatten_up_to(t) for t in (first, *rest)]
     out = [
       x[0] if _is_masked(x[0]) else fn(i, *x)
       for i, x in enumerate(zip(*flat, strict=True))
@@ -547,7 +547,7 @@ def sparse_state(
     flat_p = treedef.flatten_up_to(params) if params is not None else None
     masks = leaf_masks(param_mask, leaves, treedef, flat_g)
     shapes = stored_shapes(leaves, flat_g)
-    bits = jax.tree.leaves(state.stored_bits, is_leaf=_is_masked)
+    bits = treedef.flatten_up_to(state.stored_bits)
     any_active = [None if m is None else jnp.any(m) for m in masks]
 
     # Compact leaves: indices of the active entries (flat) or the slot of each
@@ -671,7 +671,7 @@ def sparse_state(
       else:
         out.append(u)
 
-    steps = jax.tree.leaves(state.inactive_steps, is_leaf=_is_masked)
+    steps = treedef.flatten_up_to(state.inactive_steps)
     new_steps = [
       s
       if _is_masked(s)
@@ -747,8 +747,8 @@ def offload_sparse_state(opt_state: Any, params: Any) -> Any:
   def place(node):
     if not is_state(node):
       return node
-    cold = jax.tree.leaves(node.cold, is_leaf=_is_masked)
-    if all(_is_masked(c) for c in cold):
+    cold = _scoping.per_leaf(treedef, node.cold)
+    if cold is None or all(_is_masked(c) for c in cold):
       return node
     cold = [None if _is_masked(c) else bool(c) for c in cold]
 

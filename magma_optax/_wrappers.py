@@ -55,11 +55,10 @@ def base_momentum(inner_state: Any, like: Any) -> list[Any]:
   """
   like_leaves, treedef = jax.tree.flatten(like)
   found: list[Any] = [None] * len(like_leaves)
-  is_masked = lambda x: isinstance(x, optax.MaskedNode)
   for name in _MOMENTUM_FIELDS:
     for _, value in optax.tree_utils.tree_get_all_with_path(inner_state, name):
-      leaves, value_def = jax.tree.flatten(value, is_leaf=is_masked)
-      if value_def != treedef:
+      leaves = _scoping.per_leaf(treedef, value)
+      if leaves is None:
         continue
       for i, (m, x) in enumerate(zip(leaves, like_leaves, strict=True)):
         if found[i] is None and hasattr(m, "shape") and m.shape == jnp.shape(x):

@@ -1,0 +1,68 @@
+"""Every transform inside ``optax.multi_transform`` (so ``optax.masked``).
+
+``optax.masked`` hands the inner transform a parameter tree in which the other
+group's leaves are ``optax.MaskedNode`` subtrees. The per-leaf state must be split
+up to that tree's structure; the updates of the group must equal the transform run
+alone on the group's parameters.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import magma_optax as magma
+
+FACTORIES = {
+  "magma": lambda: magma.magma(optax.adam(1e-2), key=1, granularity="row"),
+  "skip_update": lambda: magma.skip_update(optax.adam(1e-2), key=1),
+  "adam_magma": lambda: magma.adam_magma(1e-2, key=1),
+  "alignment_mask": lambda: optax.chain(magma.alignment_mask(key=1), optax.adam(1e-2)),
+  "bernoulli_mask": lambda: optax.chain(
+    magma.bernoulli_mask(0.5, key=1), optax.sgd(1e-2)
+  ),
+  "damping": lambda: optax.chain(optax.adam(1e-2), magma.damping(0.5)),
+  "periodic_mask": lambda: magma.periodic_mask(optax.adam(1e-2), sparsity=0.5, every=2),
+  "sparse_state_compact": lambda: magma.periodic_mask(
+    magma.sparse_state(optax.adam(1e-2), mode="compact", density=0.5),
+    sparsity=0.5,
+    every=2,
+  ),
+  "sparse_state_n_m": lambda: magma.periodic_mask(
+    magma.sparse_state(optax.adam(1e-2), mode="compact", structure=(2, 4)),
+    structure=(2, 4),
+    every=2,
+  ),
+}
+
+
+MASK_STATES = {"magma", "skip_update", "adam_magma", "alignment_mask", "bernoulli_mask"}
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_inside_multi_transform_equals_alone(name):
+  make = FACTORIES[name]
+  key = jax.random.key(0)
+  params = {
+    "body": {"w": jax.random.normal(key, (4, 8)), "b": jnp.arange(8.0)},
+    "head": {"w": jnp.ones((8, 4))},
+  }
+  tx = optax.multi_transform(
+    {"masked": make(), "plain": optax.adam(1e-2)}, {"body": "masked", "head": "plain"}
+  )
+  alone = make()
+  state, alone_state = tx.init(params), alone.init(params["body"])
+  step = jax.jit(lambda s, g, p: tx.update(g, s, p))
+  alone_step = jax.jit(lambda s, g, p: alone.update(g, s, p))
+  p, q = params, params["body"]
+  for t in range(3):
+    g = jax.tree.map(lambda x, t=t: jnp.sin(x + t), p)
+    u, state = step(state, g, p)
+    v, alone_state = alone_step(alone_state, g["body"], q)
+    for k in v:
+      np.testing.assert_allclose(np.asarray(u["body"][k]), np.asarray(v[k]), 1e-6)
+    p, q = optax.apply_updates(p, u), optax.apply_updates(q, v)
+  if name in MASK_STATES:  # mask_stats finds the state inside multi_transform
+    stats = magma.mask_stats(state)
+    assert 0.0 <= float(stats["active_fraction"]) <= 1.0
