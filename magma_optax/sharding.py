@@ -156,8 +156,9 @@ def state_shardings(
   The state is computed abstractly (``jax.eval_shape``, nothing is allocated).
   Every subtree of the state with the parameters' tree structure (``optax``'s
   ``mu``/``nu``/``trace``, this package's ``scores``/``mask``/``momentum``; trees
-  with ``optax.MaskedNode`` in place of leaves included) is matched leaf by leaf to
-  the parameters:
+  with ``optax.MaskedNode`` in place of leaves or whole subtrees included, as
+  ``optax.masked`` and ``optax.multi_transform`` leave their groups' trees) is
+  matched leaf by leaf to the parameters:
 
   * same shape as the parameter: the parameter's sharding;
   * a per-block array: the parameter's ``PartitionSpec`` restricted to the axes that
@@ -213,21 +214,50 @@ def state_shardings(
     device = devices.pop() if devices else jax.devices()[0]
     replicated = jax.sharding.SingleDeviceSharding(device)
 
-  def is_param_tree(node):
+  # Parameter shardings as a tree, to pair with state subtrees.
+  sharding_tree = jax.tree.unflatten(
+    param_def, list(zip(param_leaves, shardings, strict=True))
+  )
+  is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and hasattr(x[0], "shape")
+
+  def pairs(node):
+    """``node`` leaf by leaf with its (parameter, sharding), or ``None``.
+
+    ``node`` matches when it has the parameters' structure, except that
+    ``optax.MaskedNode`` may stand for any subtree (as ``optax.masked`` and
+    ``optax.multi_transform`` leave the trees of their groups), and it has at
+    least one array leaf.
+    """
     try:
-      return jax.tree.structure(node, is_leaf=_is_masked) == param_def
-    except Exception:  # noqa: BLE001  a node that does not flatten is not a match
-      return False
+      flat = []
+
+      def visit(x, pair):
+        if _is_masked(x):
+          return x
+        if not is_pair(pair) or isinstance(x, (dict, list, tuple)):
+          raise ValueError("not a parameter leaf")
+        flat.append((x, *pair))
+        return x
+
+      jax.tree.map(visit, node, sharding_tree, is_leaf=_is_masked)
+    except Exception:  # noqa: BLE001  a node that does not match is not a param tree
+      return None
+    return flat or None
+
+  def is_param_tree(node):
+    return pairs(node) is not None
 
   def assign(node):
-    if not is_param_tree(node):
+    flat = pairs(node)
+    if flat is None:
       return replicated
-    leaves = jax.tree.leaves(node, is_leaf=_is_masked)
-    out = [
-      leaf if _is_masked(leaf) else _leaf_sharding(leaf, param, sharding, replicated)
-      for leaf, param, sharding in zip(leaves, param_leaves, shardings, strict=True)
-    ]
-    return jax.tree.unflatten(jax.tree.structure(node, is_leaf=_is_masked), out)
+    out = iter(
+      _leaf_sharding(leaf, param, sharding, replicated)
+      for leaf, param, sharding in flat
+    )
+    return jax.tree.map(
+      lambda x: x if _is_masked(x) else next(out), node, is_leaf=_is_masked
+    )
 
   abstract = jax.eval_shape(tx.init, params)
   return jax.tree.map(assign, abstract, is_leaf=is_param_tree)

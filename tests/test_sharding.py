@@ -260,3 +260,22 @@ def test_block_cosine_matches_numpy():
   want = np.where(norms > 0, (a * b).sum(1) / np.where(norms > 0, norms, 1), 0.0)
   np.testing.assert_allclose(got, want, atol=1e-6)
   assert got[1] == 0.0
+
+
+def test_state_shardings_inside_multi_transform():
+  # optax.multi_transform hands each group a tree in which the other group is an
+  # optax.MaskedNode; the group's moments and masks still follow the parameters.
+  params = {
+    "body": {"w": _abstract((16, 8), P("x", "y"))},
+    "head": {"w": _abstract((8, 16), P("y", "x"))},
+  }
+  tx = optax.multi_transform(
+    {"m": magma.magma(optax.adam(1e-3), granularity="row"), "p": optax.adam(1e-3)},
+    {"body": "m", "head": "p"},
+  )
+  shardings = magma.sharding.state_shardings(tx, params)
+  inner = shardings.inner_states["m"].inner_state
+  assert inner.inner_state[0].mu["body"]["w"].spec == P("x", "y")
+  assert inner.mask_state.scores["body"]["w"].spec == P("x")
+  plain = shardings.inner_states["p"].inner_state
+  assert plain[0].nu["head"]["w"].spec == P("y", "x")
