@@ -13,6 +13,13 @@ Prints two tables:
    as a ratio to the same wrapper whose refresh never fires (``start`` beyond the
    window) and to plain ``optax.adam``. Target: <= 1.05 at ``every=100``. The last
    column is the cost of one refresh in wrapper steps, ``(ratio - 1) * every``.
+   On a noisy machine the every=100 ratio is within the noise, so the refresh cost
+   at ``every=100`` is also measured step by step: over a window of 1000 steps
+   (the ramp 0.1 -> 0.5 then raises the target by 0.04 per refresh, as gradual
+   pruning does), each step is timed on its own, and a refresh costs its step's
+   time minus the median step of its block of 100. Its share of the mean step time
+   at every=100 is that cost over 100 mean wrapper steps (the no-refresh
+   wrapper's, from the interleaved rounds).
 
 Within a round every configuration is measured once, interleaved (in a seeded
 shuffled order), so the ratios compare runs under the same machine load. Table 1
@@ -113,6 +120,35 @@ def timer(tx, params, grads, steps, mask=None, *, donate=False):
     return (time.perf_counter() - t0) / steps
 
   return run, state
+
+
+def refresh_step_costs(tx, params, grads, steps, every, *, donate=False) -> list:
+  """Seconds each refresh adds: its step's time minus the median of its block.
+
+  Every step is timed on its own (dispatch and a wait for the result), which adds
+  the same overhead to every step, so the difference is the refresh's own cost.
+  """
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1) if donate else ())
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  state = tx.init(params)
+  fresh = lambda: jax.tree.map(jnp.copy, (params, state)) if donate else (params, state)
+  jax.block_until_ready(step(*fresh(), grads))  # compile
+  p, s = fresh()
+  jax.block_until_ready((p, s))
+  times = []
+  for _ in range(steps):
+    t0 = time.perf_counter()
+    p, s = step(p, s, grads)
+    jax.block_until_ready((p, s))
+    times.append(time.perf_counter() - t0)
+  return [
+    times[b] - statistics.median(times[b + 1 : b + every])
+    for b in range(0, steps - every + 1, every)
+  ]
 
 
 def interleaved(runners: dict, repeats: int) -> dict:
@@ -262,14 +298,45 @@ def main():
         f" | {paired_ratio(times, (target, every), 'adam'):.2f}"
         f" | {cost[target, every]:.1f} |"
       )
-  worst = max(cost["constant", 1], cost["ramp", 1])
   print(
     f"\nNoise floor: the identical copy's per-round ratios span"
     f" {min(noise):.3f}-{max(noise):.3f}. One refresh costs"
     f" {cost['constant', 1]:.1f} (constant) and {cost['ramp', 1]:.1f} (ramp)"
-    f" wrapper steps at every=1, so at every=100 it adds at most {worst:.1f} % to"
-    " the mean step time (the direct every=100 ratios are within the noise)."
+    f" wrapper steps at every=1."
   )
+
+  # The every=100 refresh, step by step (see the module docstring).
+  long_window, every = 1000, 100
+  ramp = magma.linear_sparsity_schedule(
+    0.5, begin_step=0, end_step=long_window, initial_sparsity=0.1
+  )
+  step_ms = statistics.median(times["never"]) * 1e3
+  print(
+    f"\nRefresh at every={every}, timed step by step over {long_window} steps"
+    f" x {args.repeats} rounds (wrapper step {step_ms:.3f} ms, from the rounds"
+    " above):\n"
+  )
+  print(
+    "| target | refreshes | one refresh: median ms (IQR) | in wrapper steps |"
+    " adds at every=100 |"
+  )
+  print("|---|---|---|---|---|")
+  for target, sparsity in (("constant", 0.5), ("ramp", ramp)):
+    costs = []
+    for _ in range(args.repeats):
+      costs += refresh_step_costs(
+        magma.periodic_mask(adam, sparsity=sparsity, every=every),
+        params,
+        grads,
+        long_window,
+        every,
+        donate=args.donate,
+      )
+    q1, med, q3 = statistics.quantiles([c * 1e3 for c in costs], n=4)
+    print(
+      f"| {target} | {len(costs)} | {med:.2f} ({q1:.2f}-{q3:.2f})"
+      f" | {med / step_ms:.1f} | {med / step_ms / every:.1%} |"
+    )
 
 
 if __name__ == "__main__":

@@ -377,11 +377,12 @@ def test_global_ranking_ties_follow_leaf_order():
   np.testing.assert_array_equal(np.asarray(state.mask["b"]), [0, 0, 0, 0])
 
 
-@pytest.mark.parametrize("shape", [(4, 2**23), (2**24 + 4,)])
+@pytest.mark.parametrize("shape", [(4, 2**23), (2**24 + 4,), (4, 16, 2**19)])
 def test_counts_stay_exact_beyond_float32_integers(shape):
-  # Counts are float32 sums where XLA:CPU vectorises them. Here the true count is
-  # odd and above 2**24, so no float32 number equals it: a plain float32 sum would
-  # be off, and the count must switch to int32 partial sums.
+  # Counts are float32 sums where XLA:CPU vectorises them (the last shape first
+  # counts chunks of 16 rows in uint8). Here the true count is odd and above 2**24,
+  # so no float32 number equals it: a plain float32 sum would be off, and the count
+  # must switch to int32 partial sums.
   from magma_optax._periodic import _count
 
   n = int(np.prod(shape))
