@@ -797,7 +797,14 @@ def periodic_mask(
       ]
       num = _count([regrown[i] for i in scoped])
       kept = _count([masks[i] for i in scoped]).astype(jnp.float32)
-      inner_state = reset_moments(inner_state, regrown, treedef, moment_names)
+      # The reset reads and writes every moment, so it runs only when an entry
+      # regrew (rare with the default |W|*|g|: pruned weights score 0). Again a
+      # loop, which updates the moments in place.
+      _, inner_state = jax.lax.while_loop(
+        lambda c: c[0],
+        lambda c: (False, reset_moments(c[1], regrown, treedef, moment_names)),
+        (num > 0, inner_state),
+      )
       return False, masks, inner_state, target, num, 1.0 - kept / total
 
     _, masks, inner_state, target_now, num_regrown, sparsity_now = jax.lax.while_loop(
