@@ -254,7 +254,7 @@ def adam_magma(
     if param_mask is None:
       pms = [None] * len(grads)
     else:
-      pms = treedef.flatten_up_to(param_mask)
+      pms = _scoping.split_param_mask(treedef, param_mask)
     old_scores = treedef.flatten_up_to(mask_state.scores)
     old_norms = treedef.flatten_up_to(state.mu_sq_norm)
     out, new_mu, new_nu, new_scores, new_norms = [], [], [], [], []

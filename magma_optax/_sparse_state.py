@@ -518,10 +518,7 @@ def sparse_state(
     if param_mask is None:
       masks = [None] * len(leaves)
     else:
-      try:
-        masks = treedef.flatten_up_to(param_mask)
-      except (ValueError, TypeError) as e:
-        raise ValueError(f"param_mask must be a pytree like the params; {e}") from None
+      masks = _scoping.split_param_mask(treedef, param_mask)
     out = []
     for i, (lf, m, x) in enumerate(zip(leaves, masks, flat, strict=True)):
       if m is None or _is_masked(m) or lf.kind == "plain":
@@ -740,13 +737,33 @@ def offload_sparse_state(opt_state: Any, params: Any) -> Any:
   """
   if not host_offload_available():
     return opt_state
-  flat_p, treedef = jax.tree.flatten(params)
-  shapes = [tuple(jnp.shape(x)) for x in flat_p]
   is_state = lambda x: isinstance(x, SparseState)
+
+  def own_params(cold):
+    """``params`` as this state saw them at init: inside ``optax.masked`` or
+    ``optax.multi_transform`` a group's tree has ``MaskedNode`` for whole
+    subtrees. (A ``MaskedNode`` in place of a single leaf stays a leaf here: it
+    splits the per-leaf trees the same way.)"""
+    try:
+      return jax.tree.map(
+        lambda c, p: (
+          optax.MaskedNode() if _is_masked(c) and not hasattr(p, "shape") else p
+        ),
+        cold,
+        params,
+        is_leaf=_is_masked,
+      )
+    except (ValueError, TypeError):
+      return None
 
   def place(node):
     if not is_state(node):
       return node
+    local = own_params(node.cold)
+    if local is None:
+      return node
+    flat_p, treedef = jax.tree.flatten(local)
+    shapes = [tuple(jnp.shape(x)) for x in flat_p]
     cold = _scoping.per_leaf(treedef, node.cold)
     if cold is None or all(_is_masked(c) for c in cold):
       return node

@@ -66,3 +66,62 @@ def test_inside_multi_transform_equals_alone(name):
   if name in MASK_STATES:  # mask_stats finds the state inside multi_transform
     stats = magma.mask_stats(state)
     assert 0.0 <= float(stats["active_fraction"]) <= 1.0
+
+
+# Consumers of a ``param_mask`` extra argument. optax.masked passes extra arguments
+# through unchanged, so inside a group they receive the full mask.
+PARAM_MASK_CONSUMERS = {
+  "sparse_state_skip": lambda: magma.sparse_state(optax.adam(1e-2), mode="skip"),
+  "masked_weight_decay": lambda: optax.chain(
+    magma.masked_weight_decay(0.1, ramp_steps=0), optax.adam(1e-2)
+  ),
+  "adam_magma": lambda: magma.adam_magma(1e-2, key=1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PARAM_MASK_CONSUMERS))
+def test_full_param_mask_inside_a_group(name):
+  make = PARAM_MASK_CONSUMERS[name]
+  key = jax.random.key(0)
+  params = {
+    "body": {"w": jax.random.normal(key, (4, 8)), "b": jnp.arange(8.0)},
+    "head": {"w": jnp.ones((8, 4))},
+  }
+  mask = jax.tree.map(lambda x: jnp.arange(x.size).reshape(x.shape) % 3 != 0, params)
+  tx = optax.masked(make(), {"body": True, "head": False})
+  alone = make()
+  state, alone_state = tx.init(params), alone.init(params["body"])
+  for t in range(2):
+    g = jax.tree.map(lambda x, t=t: jnp.sin(x + t), params)
+    u, state = jax.jit(tx.update)(g, state, params, param_mask=mask)
+    v, alone_state = jax.jit(alone.update)(
+      g["body"], alone_state, params["body"], param_mask=mask["body"]
+    )
+    for k in v:
+      np.testing.assert_allclose(np.asarray(u["body"][k]), np.asarray(v[k]), 1e-6)
+
+
+def test_param_mask_of_another_structure_is_an_error():
+  params = {"body": {"w": jnp.ones((2, 3))}, "head": {"w": jnp.ones(3)}}
+  tx = optax.masked(magma.sparse_state(optax.adam(1e-2)), {"body": True, "head": False})
+  with pytest.raises(ValueError, match="param_mask must be a pytree like the params"):
+    tx.update(params, tx.init(params), params, param_mask={"w": jnp.ones(3, bool)})
+
+
+def test_offload_moves_state_inside_a_group():
+  if not magma.host_offload_available():
+    pytest.skip("no host memory kinds here")
+  params = {"a": jnp.ones(4), "b": {"c": jnp.ones(3), "d": jnp.ones(2)}}
+  inner = magma.sparse_state(optax.adam(1e-2), mode="offload", offload_after=2)
+  tx = optax.masked(inner, {"a": True, "b": False})
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  kinds = []
+  for t in range(4):
+    mask = jax.tree.map(lambda x, t=t: jnp.full(x.shape, t == 3), params)
+    _, state = step(params, state, params, param_mask=mask)
+    state = magma.offload_sparse_state(state, params)
+    kinds.append(state.inner_state.base_state[0].mu["a"].sharding.memory_kind)
+  device = jax.devices()[0].default_memory().kind
+  # "a" is inactive at steps 0..2: cold after 2 steps, back when active at step 3.
+  assert kinds == [device, "pinned_host", "pinned_host", device]
