@@ -9,7 +9,12 @@ One short run on a machine with a GPU (about a minute after compilation):
 2. the kernel alone: achieved bandwidth (28 bytes per parameter: read g, m, v, p;
    write m, v, update) against a donated device-to-device copy;
 3. the step-overhead table of ``benchmarks/step_overhead.py`` (interleaved rounds,
-   ratios against ``optax.adam``) with ``adam_magma`` xla and pallas.
+   ratios against ``optax.adam``) with ``adam_magma`` xla and pallas;
+4. sparse training (issue 4) on this device: ``periodic_mask``'s exact top-k on a
+   large leaf against numpy, and the cost of one refresh at ``every=100`` timed
+   step by step as in ``benchmarks/sparse_state.py`` (donated buffers), with the
+   ordinary step of ``periodic_mask`` and of ``sparse_state`` skip / compact
+   storage against ``optax.adam``.
 
 Targets (issue 3): ``adam_magma[pallas]`` <= 1.05x ``optax.adam``, and >= 80 % of
 copy bandwidth. Exit status 1 if a correctness check fails; targets are reported,
@@ -45,6 +50,7 @@ from magma_optax import _blocks
 from magma_optax import kernels
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import sparse_state  # noqa: E402
 import step_overhead  # noqa: E402
 
 CASES = [
@@ -181,6 +187,90 @@ def kernel_bandwidth(num_params: int, rounds: int, interpret=False) -> None:
   )
 
 
+def check_top_k(shape=(1024, 1024)) -> bool:
+  """``periodic_mask``'s top-k (sampled search, ties) on this device vs numpy."""
+  from magma_optax._periodic import _top_k_mask
+
+  rng = np.random.default_rng(0)
+  n = int(np.prod(shape))
+  score = np.abs(rng.standard_normal(n) * rng.standard_normal(n)).astype(np.float32)
+  score[rng.permutation(n)[: n // 3]] = 0.0  # a block of pruned weights
+  score[rng.permutation(n)[:50]] = np.float32(0.5)  # ties
+  active = rng.random(n) < 0.5
+  ok = True
+  for k in (n // 10, int(np.sum(score > 0)) - 40, n // 2):
+    got = np.asarray(
+      jax.jit(_top_k_mask)(
+        jnp.asarray(score.reshape(shape)), jnp.asarray(active.reshape(shape)), k
+      )
+    ).ravel()
+    order = np.lexsort((np.arange(n), ~active, -score))
+    want = np.zeros(n, bool)
+    want[order[:k]] = True
+    good = bool(np.array_equal(got, want))
+    ok &= good
+    print(f"top-k {shape} k={k}: {'OK' if good else 'MISMATCH'}")
+  return ok
+
+
+def sparse_training(width: int, layers: int, rounds: int, steps: int) -> None:
+  """Refresh cost at every=100 and ordinary steps, donated, on this device."""
+  params = sparse_state.make_params(width, layers)
+  grads = jax.tree.map(lambda x: jnp.full_like(x, 0.01), params)
+  adam = optax.adam(1e-3)
+  mask = sparse_state.random_mask(params, 0.5)
+  runners = {
+    "optax.adam": sparse_state.timer(adam, params, grads, steps, donate=True)[0],
+    "periodic_mask(adam), no refresh": sparse_state.timer(
+      magma.periodic_mask(adam, sparsity=0.5, every=1, start=10**9),
+      params,
+      grads,
+      steps,
+      donate=True,
+    )[0],
+    "sparse_state skip, density 0.5": sparse_state.timer(
+      magma.sparse_state(adam, mode="skip"), params, grads, steps, mask, donate=True
+    )[0],
+    "sparse_state compact, density 0.5": sparse_state.timer(
+      magma.sparse_state(adam, mode="compact", density=0.5),
+      params,
+      grads,
+      steps,
+      mask,
+      donate=True,
+    )[0],
+  }
+  times = sparse_state.interleaved(runners, rounds)
+  n = sum(x.size for x in jax.tree.leaves(params))
+  print(f"\n## sparse training, {n / 1e6:.1f} M params, donated")
+  print("| step | median ms | x optax.adam |")
+  print("|---|---:|---:|")
+  for name in runners:
+    ms = float(np.median(times[name])) * 1e3
+    ratio = sparse_state.paired_ratio(times, name, "optax.adam")
+    print(f"| {name} | {ms:.3f} | {ratio:.2f} |")
+  step_ms = float(np.median(times["periodic_mask(adam), no refresh"])) * 1e3
+  every, window = 100, 10 * 100
+  ramp = magma.linear_sparsity_schedule(
+    0.5, begin_step=0, end_step=window, initial_sparsity=0.1
+  )
+  print("\n| refresh at every=100 | one refresh: median ms | adds at every=100 |")
+  print("|---|---:|---:|")
+  for target, sparsity in (("constant 0.5", 0.5), ("ramp 0.1 -> 0.5", ramp)):
+    costs = []
+    for _ in range(max(1, rounds // 4)):
+      costs += sparse_state.refresh_step_costs(
+        magma.periodic_mask(adam, sparsity=sparsity, every=every),
+        params,
+        grads,
+        window,
+        every,
+        donate=True,
+      )
+    ms = float(np.median(costs)) * 1e3
+    print(f"| {target} | {ms:.3f} | {ms / step_ms / every:.1%} |")
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--sizes", default="1e6,25e6,100e6")
@@ -196,6 +286,7 @@ def main(argv=None):
     print("smoke run: Pallas interpreted, tiny sizes; timings mean nothing")
     ok = check_kernel(SMOKE_CASES, interpret=True)
     ok &= check_optimizer(8192, interpret=True)
+    ok &= check_top_k((256, 512))
     kernel_bandwidth(8192, 1, interpret=True)
     sizes, rounds, implementations = [8192], 1, ["xla"]
   elif jax.default_backend() != "gpu":
@@ -204,6 +295,7 @@ def main(argv=None):
   else:
     ok = check_kernel()
     ok &= check_optimizer()
+    ok &= check_top_k()
     kernel_bandwidth(64 * 2**20, args.rounds)
     sizes = [int(float(x)) for x in args.sizes.split(",")]
     rounds, implementations = args.rounds, ["xla", "pallas"]
@@ -219,6 +311,10 @@ def main(argv=None):
           f"target: <= 1.05x optax.adam: {'met' if ratio <= 1.05 else 'NOT met'};"
           f" >= 80% of copy bandwidth: {'met' if frac >= 0.8 else 'NOT met'}"
         )
+  if args.smoke:
+    sparse_training(64, 2, 1, 10)
+  else:
+    sparse_training(1024, 8, args.rounds, 200)
   print("\nALL CHECKS OK" if ok else "\nSOME CHECKS FAILED")
   return 0 if ok else 1
 

@@ -23,8 +23,12 @@ def test_gpu_check_smoke_run_passes(capsys, monkeypatch):
     sys.modules.pop("step_overhead", None)
   out = capsys.readouterr().out
   lines = out.splitlines()
-  checks = [x for x in lines if x.startswith(("kernel (", "adam_magma pallas"))]
-  assert len(checks) == len(module.SMOKE_CASES) + 1  # kernels + optimizer
+  checks = [
+    x for x in lines if x.startswith(("kernel (", "adam_magma pallas", "top-k "))
+  ]
+  assert len(checks) == len(module.SMOKE_CASES) + 1 + 3  # kernels, optimizer, top-k
   assert all(x.endswith("OK") for x in checks), checks
   assert "ALL CHECKS OK" in out
   assert "| adam_magma[xla] |" in out
+  assert "| sparse_state compact, density 0.5 |" in out
+  assert "| ramp 0.1 -> 0.5 |" in out
