@@ -378,8 +378,13 @@ def _large_leaf_cases(rng, shape):
   order = np.argsort(-tied_cut, kind="stable")
   k_tied = n // 3
   tied_cut[order[k_tied - 2 : k_tied + 2]] = tied_cut[order[k_tied - 1]]  # 4 tie
+  infs = cont.copy()
+  infs[rng.permutation(n)[:300]] = np.inf
+  infs[rng.permutation(n)[:300]] = -np.inf  # NaN scores become -inf
   cases = [
     ("continuous", cont, int(rng.integers(1, n))),
+    ("with +-inf", infs, n // 2),
+    ("with +-inf, cut in the +inf block", infs, 100),
     ("ramp cut just above the zeros", zeros, nonzero - 50),
     ("constant target after a refresh", zeros, nonzero),
     ("few distinct values", rng.integers(0, 5, n).astype(float), n // 3 + 7),
