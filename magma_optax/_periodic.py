@@ -189,6 +189,17 @@ class PeriodicMaskState(NamedTuple):
   inner_state: Any
 
 
+def _run_if(pred: jax.Array, fn: Callable[[Any], Any], operand: Any) -> Any:
+  """``fn(operand)`` if ``pred`` else ``operand``, as a loop of zero or one step.
+
+  A loop updates its carry in place; a ``lax.cond`` would copy ``operand`` into
+  its output buffers whichever branch runs (with donated buffers: every step).
+  """
+  return jax.lax.while_loop(
+    lambda c: c[0], lambda c: (jnp.asarray(False), fn(c[1])), (pred, operand)
+  )[1]
+
+
 def _ordered_key(score: jax.Array) -> jax.Array:
   """uint32 keys with the float order of ``score`` (no NaN; -0.0 made +0.0 before)."""
   u = jax.lax.bitcast_convert_type(score.astype(jnp.float32), jnp.uint32)
@@ -786,13 +797,12 @@ def periodic_mask(
     scoped = [i for i, p in enumerate(plans) if p.layout is not None]
     total = max(sum(old[i].size for i in scoped), 1)
 
-    # The refresh is a while loop of zero or one iteration, not a cond: a loop
-    # updates its carry in place, so on other steps the masks and the inner state
-    # pass through untouched, while a cond copies its outputs (every mask, every
-    # step). The refresh also resets the moments of regrown entries, so nothing
-    # after it reads the old masks.
+    # The refresh runs through _run_if, not a cond: on other steps the masks and
+    # the inner state pass through untouched, where a cond would copy every mask
+    # on every step. The refresh also resets the moments of regrown entries, so
+    # nothing after it reads the old masks.
     def refresh(carry):
-      _, old_masks, inner_state, _, _, _ = carry
+      old_masks, inner_state, _, _, _ = carry
       masks = new_masks(plans, param_leaves, grads, old_masks, target)
       regrown = [
         None if p.layout is None else masks[i] & ~old_masks[i]
@@ -801,20 +811,18 @@ def periodic_mask(
       num = _count([regrown[i] for i in scoped])
       kept = _count([masks[i] for i in scoped]).astype(jnp.float32)
       # The reset reads and writes every moment, so it runs only when an entry
-      # regrew (rare with the default |W|*|g|: pruned weights score 0). Again a
-      # loop, which updates the moments in place.
-      _, inner_state = jax.lax.while_loop(
-        lambda c: c[0],
-        lambda c: (False, reset_moments(c[1], regrown, treedef, moment_names)),
-        (num > 0, inner_state),
+      # regrew (rare with the default |W|*|g|: pruned weights score 0).
+      inner_state = _run_if(
+        num > 0,
+        lambda s: reset_moments(s, regrown, treedef, moment_names),
+        inner_state,
       )
-      return False, masks, inner_state, target, num, 1.0 - kept / total
+      return masks, inner_state, target, num, 1.0 - kept / total
 
-    _, masks, inner_state, target_now, num_regrown, sparsity_now = jax.lax.while_loop(
-      lambda carry: carry[0],
+    masks, inner_state, target_now, num_regrown, sparsity_now = _run_if(
+      is_refresh,
       refresh,
       (
-        is_refresh,
         old,
         state.inner_state,
         state.target_sparsity,

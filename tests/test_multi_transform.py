@@ -37,17 +37,21 @@ FACTORIES = {
 }
 
 
+def _params():
+  """Two groups: "body" (the transform under test) and "head"."""
+  return {
+    "body": {"w": jax.random.normal(jax.random.key(0), (4, 8)), "b": jnp.arange(8.0)},
+    "head": {"w": jnp.ones((8, 4))},
+  }
+
+
 MASK_STATES = {"magma", "skip_update", "adam_magma", "alignment_mask", "bernoulli_mask"}
 
 
 @pytest.mark.parametrize("name", sorted(FACTORIES))
 def test_inside_multi_transform_equals_alone(name):
   make = FACTORIES[name]
-  key = jax.random.key(0)
-  params = {
-    "body": {"w": jax.random.normal(key, (4, 8)), "b": jnp.arange(8.0)},
-    "head": {"w": jnp.ones((8, 4))},
-  }
+  params = _params()
   tx = optax.multi_transform(
     {"masked": make(), "plain": optax.adam(1e-2)}, {"body": "masked", "head": "plain"}
   )
@@ -82,11 +86,7 @@ PARAM_MASK_CONSUMERS = {
 @pytest.mark.parametrize("name", sorted(PARAM_MASK_CONSUMERS))
 def test_full_param_mask_inside_a_group(name):
   make = PARAM_MASK_CONSUMERS[name]
-  key = jax.random.key(0)
-  params = {
-    "body": {"w": jax.random.normal(key, (4, 8)), "b": jnp.arange(8.0)},
-    "head": {"w": jnp.ones((8, 4))},
-  }
+  params = _params()
   mask = jax.tree.map(lambda x: jnp.arange(x.size).reshape(x.shape) % 3 != 0, params)
   tx = optax.masked(make(), {"body": True, "head": False})
   alone = make()
