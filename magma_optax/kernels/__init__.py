@@ -2,8 +2,9 @@
 
 Layout as in levanter's kernels: :mod:`api` is the entry point
 (:func:`masked_adam`, with ``implementation=``), :mod:`reference` the plain-jnp
-version (the XLA path), :mod:`pallas_gpu` the Pallas kernel, :mod:`config` the
-block sizes. Importing this package does not need a GPU.
+version (the XLA path), :mod:`pallas_gpu` the Pallas kernel, :mod:`partitioned` the
+kernel on sharded leaves (one call per shard), :mod:`config` the block sizes.
+Importing this package does not need a GPU.
 """
 
 from magma_optax.kernels.api import DEFAULT_IMPLEMENTATIONS

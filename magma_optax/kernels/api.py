@@ -6,7 +6,8 @@ block, and returns the per-block partial sums of Magma's cosine (see
 
 * ``"xla"``: plain ``jax.numpy`` (:mod:`reference`), any backend; the CPU default.
 * ``"pallas"``: the Pallas kernel (:mod:`pallas_gpu`): Triton on GPU; anywhere with
-  ``interpret=True`` (slow: tests only). Needs contiguous blocks.
+  ``interpret=True`` (slow: tests only). Needs contiguous blocks. On sharded leaves
+  it runs once per shard (:mod:`partitioned`): no leaf is gathered.
 * a sequence such as ``("pallas", "xla")``: the first that can run.
 
 ``implementation=None`` tries ``DEFAULT_IMPLEMENTATIONS`` -- XLA for now, until the
@@ -52,6 +53,7 @@ import jax.numpy as jnp
 from magma_optax import _blocks
 from magma_optax.kernels import config as config_lib
 from magma_optax.kernels import pallas_gpu
+from magma_optax.kernels import partitioned
 from magma_optax.kernels import reference
 
 IMPLEMENTATIONS = ("xla", "pallas")
@@ -232,7 +234,7 @@ def masked_adam(
     )  # fmt: skip
   if callable(scale):
     scale = scale(*derived_sums(layout, mu, grad, b1, param_mask))
-  return pallas_gpu.masked_adam_pallas(
+  return partitioned.masked_adam_pallas_partitioned(
     grad, mu, nu, hyper, constants, scale=scale, layout=layout,
     param_mask=param_mask, params=params, block_sizes=block_sizes,
     interpret=interpret,

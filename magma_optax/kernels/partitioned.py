@@ -1,0 +1,242 @@
+"""The Pallas kernel on sharded leaves: one kernel per shard, no gathered tensor.
+
+A ``pallas_call`` is opaque to XLA's SPMD partitioner: on a leaf sharded over a mesh
+XLA would gather the whole leaf to every device and run the kernel on it there --
+what ``DESIGN.md`` section 6 forbids. :func:`masked_adam_pallas_partitioned` wraps the
+kernel in ``jax.experimental.custom_partitioning``: when the step is partitioned, each
+device runs the kernel on its own shard of g, m, v (and of the parameter mask and the
+params) with the block layout of that shard, and the per-block partial sums are
+all-reduced (``psum``) over the mesh axes that split a block -- block-sized values
+only. The leaf keeps the gradient's partition spec; the per-block scale and sums get
+it restricted to the axes that index blocks.
+
+* One device, or inside ``shard_map`` (all mesh axes manual): the kernel runs as is
+  (``custom_partitioning`` inlines it; under ``shard_map`` the blocks are the local
+  shard's, as for every transform of this package, see :mod:`magma_optax.sharding`).
+* ``jax.vmap``: a ``custom_vmap`` rule maps the unpartitioned kernel (the
+  partitioner has no batching rule).
+* A 1-D tile granularity (``(t,)``) splits the last axis into blocks of ``t``; that
+  axis stays sharded when every shard holds whole tiles, else it is gathered along
+  that axis (the one case that moves a parameter-sized array between devices).
+
+Needs the Shardy partitioner (JAX's default since 0.7) for the sharding rule.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import custom_partitioning as cp_lib
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
+
+from magma_optax import _blocks
+from magma_optax.kernels import config as config_lib
+from magma_optax.kernels import pallas_gpu
+from magma_optax.kernels import reference
+
+
+def _splits_last_axis(layout: _blocks.BlockLayout) -> bool:
+  """Whether the layout cuts the leaf's last axis into (blocks, tile)."""
+  return tuple(layout.expanded_shape) != tuple(layout.shape)
+
+
+def _block_axes(layout: _blocks.BlockLayout) -> list[int]:
+  """The leaf axes that index blocks (a split last axis counts as one)."""
+  n = len(layout.shape)
+  if _splits_last_axis(layout):
+    return list(range(n))  # lead axes, then the split axis (blocks of the tile)
+  return [i for i in range(n) if i not in layout.reduce_axes]
+
+
+def _local_layout(layout: _blocks.BlockLayout, shape) -> _blocks.BlockLayout:
+  """The layout of one shard of shape ``shape`` (same blocks, fewer of them)."""
+  shape = tuple(shape)
+  if _splits_last_axis(layout):  # (..., C) -> (..., C / tile, tile)
+    tile = layout.expanded_shape[-1]
+    expanded = shape[:-1] + (shape[-1] // tile, tile)
+    return _blocks.BlockLayout(shape, expanded, layout.reduce_axes)
+  return _blocks.BlockLayout(shape, shape, layout.reduce_axes)
+
+
+def _sharding_rule(layout: _blocks.BlockLayout, num_leaf_args: int):
+  """Shardy rule: leaf arrays share factors; block arrays use the block factors."""
+  n = len(layout.shape)
+  leaf = [f"d{i}" for i in range(n)]
+  sizes = {}
+  if _splits_last_axis(layout):  # the last axis is (blocks q, tile t)
+    block = leaf[:-1] + ["q"]
+    leaf[-1] = "(q t)"
+    sizes = {"t": layout.expanded_shape[-1]}
+  else:
+    block = [leaf[i] for i in _block_axes(layout)]
+  leaf_s, block_s = " ".join(leaf), " ".join(block)
+  operands = ", ".join(["h", block_s] + [leaf_s] * num_leaf_args)
+  results = ", ".join([leaf_s] * 3 + [block_s] * 3)
+  keep_whole = ("h", "t") if sizes else ("h",)
+  return f"{operands} -> {results}", {"need_replication_factors": keep_whole, **sizes}
+
+
+def _mesh_axes(entry) -> tuple[str, ...]:
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _specs(
+  layout: _blocks.BlockLayout, spec, mesh_shape
+) -> tuple[tuple, tuple, tuple[str, ...]]:
+  """(leaf spec, block spec, mesh axes to all-reduce the sums over) from a leaf spec.
+
+  A split last axis stays sharded only if every shard holds whole tiles; the sums
+  are partial over every mesh axis that shards an axis within the blocks.
+  """
+  n = len(layout.shape)
+  spec = tuple(spec) + (None,) * (n - len(tuple(spec)))
+  if _splits_last_axis(layout):
+    ways = math.prod(mesh_shape[a] for a in _mesh_axes(spec[-1]))
+    if (layout.shape[-1] // ways) % layout.expanded_shape[-1]:
+      spec = spec[:-1] + (None,)
+  block_axes = _block_axes(layout)
+  psum_axes = tuple(
+    a for i in range(n) if i not in block_axes for a in _mesh_axes(spec[i])
+  )
+  return spec, tuple(spec[i] for i in block_axes), psum_axes
+
+
+@functools.cache
+def _kernel_fns(
+  constants: reference.AdamConstants,
+  layout: _blocks.BlockLayout,
+  block_sizes: config_lib.BlockSizes | None,
+  interpret: bool,
+  has_mask: bool,
+  has_params: bool,
+):
+  """(per-shard function maker, partitioned kernel) for one static configuration."""
+
+  def run(layout_, hyper, scale, g, m, v, *rest):
+    it = iter(rest)
+    mask = next(it) if has_mask else None
+    params = next(it) if has_params else None
+    return tuple(
+      pallas_gpu.masked_adam_pallas(
+        g, m, v, hyper, constants, scale=scale, layout=layout_,
+        param_mask=mask, params=params, block_sizes=block_sizes,
+        interpret=interpret,
+      )
+    )  # fmt: skip
+
+  def per_shard(psum_axes):
+    def lower_fn(hyper, scale, g, m, v, *rest):
+      out = run(_local_layout(layout, g.shape), hyper, scale, g, m, v, *rest)
+      if not psum_axes:
+        return out
+      return out[:3] + tuple(jax.lax.psum(s, psum_axes) for s in out[3:])
+
+    return lower_fn
+
+  @cp_lib.custom_partitioning
+  def kernel(hyper, scale, g, m, v, *rest):
+    return run(layout, hyper, scale, g, m, v, *rest)
+
+  def partition(mesh, arg_shapes, result_shape):
+    del result_shape
+    spec = arg_shapes[2].sharding.spec  # the gradient's
+    spec, block_spec, psum_axes = _specs(layout, spec, mesh.shape)
+    leaf_sh = NamedSharding(mesh, PartitionSpec(*spec))
+    block_sh = NamedSharding(mesh, PartitionSpec(*block_spec))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    arg_shardings = (replicated, block_sh) + (leaf_sh,) * (len(arg_shapes) - 2)
+    results = (leaf_sh,) * 3 + (block_sh,) * 3
+    return mesh, per_shard(psum_axes), results, arg_shardings
+
+  kernel.def_partition(
+    partition=partition,
+    sharding_rule=lambda mesh, operands, results: _sharding_rule(
+      layout, len(operands) - 2
+    ),
+  )
+
+  @jax.custom_batching.custom_vmap
+  def batchable(*args):
+    return kernel(*args)
+
+  @batchable.def_vmap
+  def _vmap_rule(axis_size, in_batched, *args):
+    del axis_size
+    axes = [0 if b else None for b in in_batched]
+    out = jax.vmap(functools.partial(run, layout), in_axes=axes)(*args)
+    return out, (True,) * len(out)
+
+  return per_shard, batchable
+
+
+def _explicit_spec(x: jax.Array):
+  """The partition spec of ``x`` if its type carries one (Explicit mesh axes)."""
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  if not isinstance(sharding, NamedSharding):
+    return None, None
+  if all(entry is None for entry in sharding.spec):
+    return None, None
+  return sharding.mesh, sharding.spec
+
+
+def masked_adam_pallas_partitioned(
+  grad: jax.Array,
+  mu: jax.Array,
+  nu: jax.Array,
+  hyper: jax.Array,
+  constants: reference.AdamConstants,
+  *,
+  scale: jax.Array | None = None,
+  layout: _blocks.BlockLayout | None = None,
+  param_mask: jax.Array | None = None,
+  params: jax.Array | None = None,
+  block_sizes: config_lib.BlockSizes | None = None,
+  interpret: bool = False,
+) -> reference.MaskedAdamOutput:
+  """:func:`pallas_gpu.masked_adam_pallas` that runs per shard on sharded leaves.
+
+  Same arguments and result (see the module docstring for what happens under
+  sharding, ``shard_map`` and ``vmap``).
+
+  Raises:
+    ValueError: if the layout's blocks are not contiguous.
+  """
+  layout = layout or reference.tensor_layout(grad.shape)
+  if not pallas_gpu.is_contiguous(layout):  # the message of masked_adam_pallas
+    return pallas_gpu.masked_adam_pallas(
+      grad, mu, nu, hyper, constants, layout=layout, interpret=interpret
+    )
+  if scale is None:
+    scale = jnp.ones(layout.block_shape, jnp.float32)
+  scale = jnp.broadcast_to(jnp.asarray(scale, jnp.float32), layout.block_shape)
+  per_shard, kernel = _kernel_fns(
+    constants, layout, block_sizes, bool(interpret), param_mask is not None,
+    params is not None,
+  )  # fmt: skip
+  args = [hyper.astype(jnp.float32), scale, grad, mu, nu]
+  args += [x for x in (param_mask, params) if x is not None]
+  mesh, spec = _explicit_spec(grad)
+  if mesh is None:  # Auto axes or one device: the partitioner calls back
+    return reference.MaskedAdamOutput(*kernel(*args))
+  # Explicit axes: the shardings are known now, so map over the shards directly.
+  leaf, block, psum_axes = _specs(layout, spec, mesh.shape)
+  leaf, block = PartitionSpec(*leaf), PartitionSpec(*block)
+  in_specs = (PartitionSpec(), block) + (leaf,) * (len(args) - 2)
+  args = [
+    jax.sharding.reshard(a, NamedSharding(mesh, s))
+    for a, s in zip(args, in_specs, strict=True)
+  ]
+  out = jax.shard_map(
+    per_shard(psum_axes),
+    mesh=mesh,
+    in_specs=in_specs,
+    out_specs=(leaf,) * 3 + (block,) * 3,
+    check_vma=False,
+  )(*args)
+  return reference.MaskedAdamOutput(*out)
