@@ -145,7 +145,14 @@ def _kernel_fns(
 
   def partition(mesh, arg_shapes, result_shape):
     del result_shape
-    spec = arg_shapes[2].sharding.spec  # the gradient's
+    sharding = arg_shapes[2].sharding  # the gradient's
+    if not isinstance(sharding, NamedSharding):
+      raise ValueError(
+        "implementation='pallas' on a sharded leaf needs the leaf's sharding as a"
+        f" NamedSharding on a Mesh; got {sharding!r}. Use jax.sharding.NamedSharding"
+        " (or implementation='xla')."
+      )
+    spec = sharding.spec
     spec, block_spec, psum_axes = _specs(layout, spec, mesh.shape)
     leaf_sh = NamedSharding(mesh, PartitionSpec(*spec))
     block_sh = NamedSharding(mesh, PartitionSpec(*block_spec))
@@ -214,7 +221,7 @@ def masked_adam_pallas_partitioned(
     )
   if scale is None:
     scale = jnp.ones(layout.block_shape, jnp.float32)
-  scale = jnp.broadcast_to(jnp.asarray(scale, jnp.float32), layout.block_shape)
+  scale = jnp.asarray(scale, jnp.float32).reshape(layout.block_shape)
   per_shard, kernel = _kernel_fns(
     constants, layout, block_sizes, bool(interpret), param_mask is not None,
     params is not None,
