@@ -38,6 +38,16 @@ def is_contiguous(layout: _blocks.BlockLayout) -> bool:
   return tuple(layout.reduce_axes) == tuple(range(n - k, n))
 
 
+def check_contiguous(layout: _blocks.BlockLayout) -> None:
+  """Raises ``ValueError`` unless every block of ``layout`` is contiguous."""
+  if not is_contiguous(layout):
+    raise ValueError(
+      "the Pallas kernel needs each mask block contiguous in memory (granularity"
+      " 'tensor', 'row' or 'element'); this leaf's layout"
+      f" {layout.expanded_shape} reduces axes {layout.reduce_axes}."
+    )
+
+
 def _kernel(*refs, constants, has_mask, has_params):
   """One (block_rows, block_cols) tile; see the module docstring."""
   it = iter(refs)
@@ -119,12 +129,7 @@ def masked_adam_pallas(
   from jax.experimental import pallas as pl  # lazy: ~0.1 s, only when used
 
   layout = layout or reference.tensor_layout(grad.shape)
-  if not is_contiguous(layout):
-    raise ValueError(
-      "the Pallas kernel needs each mask block contiguous in memory (granularity"
-      " 'tensor', 'row' or 'element'); this leaf's layout"
-      f" {layout.expanded_shape} reduces axes {layout.reduce_axes}."
-    )
+  check_contiguous(layout)
   shape = tuple(grad.shape)
   nb = layout.num_blocks
   bs = layout.block_size

@@ -10,14 +10,26 @@ all-reduced (``psum``) over the mesh axes that split a block -- block-sized valu
 only. The leaf keeps the gradient's partition spec; the per-block scale and sums get
 it restricted to the axes that index blocks.
 
+* Which spec: the first of g, m, v, the mask and the params that splits the leaf
+  (a ZeRO-style step with a replicated gradient keeps the moments' layout); the
+  moments and the update come back with it.
 * One device, or inside ``shard_map`` (all mesh axes manual): the kernel runs as is
   (``custom_partitioning`` inlines it; under ``shard_map`` the blocks are the local
-  shard's, as for every transform of this package, see :mod:`magma_optax.sharding`).
+  shard's, as for every transform of this package, see :mod:`magma_optax.sharding`;
+  pass ``check_vma=False`` to ``shard_map``, ``pallas_call`` outputs carry no
+  varying-axes type).
 * ``jax.vmap``: a ``custom_vmap`` rule maps the unpartitioned kernel (the
-  partitioner has no batching rule).
+  partitioner has no batching rule), so a vmapped step on sharded leaves may gather;
+  on Explicit axes a batch axis that is itself sharded fails in ``pallas_call``'s
+  batching rule.
 * A 1-D tile granularity (``(t,)``) splits the last axis into blocks of ``t``; that
-  axis stays sharded when every shard holds whole tiles, else it is gathered along
-  that axis (the one case that moves a parameter-sized array between devices).
+  axis stays sharded when every shard holds whole tiles, else the kernel sees it
+  whole (gathered along that axis: the one case that moves a parameter-sized array
+  between devices) and each device keeps its part of the outputs.
+
+Not supported (use ``implementation="xla"``): meshes that mix Explicit and Auto axes
+(the leaf is gathered along the Auto axes), and shardings the partitioner cannot name
+on a ``Mesh`` (a ``GSPMDSharding`` without a mesh context raises).
 
 Needs the Shardy partitioner (JAX's default since 0.7) for the sharding rule.
 """
@@ -62,22 +74,25 @@ def _local_layout(layout: _blocks.BlockLayout, shape) -> _blocks.BlockLayout:
   return _blocks.BlockLayout(shape, shape, layout.reduce_axes)
 
 
-def _sharding_rule(layout: _blocks.BlockLayout, num_leaf_args: int):
+def _sharding_rule(layout: _blocks.BlockLayout, num_leaf_args: int, mesh):
   """Shardy rule: leaf arrays share factors; block arrays use the block factors."""
   n = len(layout.shape)
   leaf = [f"d{i}" for i in range(n)]
-  sizes = {}
+  extra = {"need_replication_factors": ("h",)}
   if _splits_last_axis(layout):  # the last axis is (blocks q, tile t)
     block = leaf[:-1] + ["q"]
-    leaf[-1] = "(q t)"
-    sizes = {"t": layout.expanded_shape[-1]}
+    blocks, tile = layout.expanded_shape[-2:]
+    if blocks % math.prod(mesh.shape.values()) == 0:
+      leaf[-1] = "(q t)"
+      extra = {"need_replication_factors": ("h", "t"), "t": tile}
+    else:  # Shardy would shard q over sub-axes, which a NamedSharding cannot say
+      leaf[-1] = "c"
   else:
     block = [leaf[i] for i in _block_axes(layout)]
   leaf_s, block_s = " ".join(leaf), " ".join(block)
   operands = ", ".join(["h", block_s] + [leaf_s] * num_leaf_args)
   results = ", ".join([leaf_s] * 3 + [block_s] * 3)
-  keep_whole = ("h", "t") if sizes else ("h",)
-  return f"{operands} -> {results}", {"need_replication_factors": keep_whole, **sizes}
+  return f"{operands} -> {results}", extra
 
 
 def _mesh_axes(entry) -> tuple[str, ...]:
@@ -98,7 +113,7 @@ def _specs(
   spec = tuple(spec) + (None,) * (n - len(tuple(spec)))
   if _splits_last_axis(layout):
     ways = math.prod(mesh_shape[a] for a in _mesh_axes(spec[-1]))
-    if (layout.shape[-1] // ways) % layout.expanded_shape[-1]:
+    if layout.shape[-1] % (ways * layout.expanded_shape[-1]):
       spec = spec[:-1] + (None,)
   block_axes = _block_axes(layout)
   psum_axes = tuple(
@@ -130,12 +145,25 @@ def _kernel_fns(
       )
     )  # fmt: skip
 
-  def per_shard(psum_axes):
+  def per_shard(psum_axes, split_last=()):
+    """The per-device function; ``split_last``: mesh axes the caller wants the
+    leaf outputs' last axis split over although the kernel saw it whole."""
+
     def lower_fn(hyper, scale, g, m, v, *rest):
       out = run(_local_layout(layout, g.shape), hyper, scale, g, m, v, *rest)
-      if not psum_axes:
-        return out
-      return out[:3] + tuple(jax.lax.psum(s, psum_axes) for s in out[3:])
+      if psum_axes:
+        out = out[:3] + tuple(jax.lax.psum(s, psum_axes) for s in out[3:])
+      if split_last:  # each device keeps its own part of the whole last axis
+        ways = math.prod(jax.lax.axis_size(a) for a in split_last)
+        size = -(-g.shape[-1] // ways)  # uneven shards are padded at the end
+        pad = [(0, 0)] * (g.ndim - 1) + [(0, size * ways - g.shape[-1])]
+        start = jax.lax.axis_index(split_last) * size
+        cut = [
+          jax.lax.dynamic_slice_in_dim(jnp.pad(x, pad), start, size, -1)
+          for x in out[:3]
+        ]
+        out = tuple(cut) + out[3:]
+      return out
 
     return lower_fn
 
@@ -145,26 +173,30 @@ def _kernel_fns(
 
   def partition(mesh, arg_shapes, result_shape):
     del result_shape
-    sharding = arg_shapes[2].sharding  # the gradient's
-    if not isinstance(sharding, NamedSharding):
-      raise ValueError(
-        "implementation='pallas' on a sharded leaf needs the leaf's sharding as a"
-        f" NamedSharding on a Mesh; got {sharding!r}. Use jax.sharding.NamedSharding"
-        " (or implementation='xla')."
-      )
-    spec = sharding.spec
-    spec, block_spec, psum_axes = _specs(layout, spec, mesh.shape)
+    shardings = [a.sharding for a in arg_shapes[2:]]  # g, m, v[, mask][, params]
+    for sharding in shardings:
+      if not isinstance(sharding, NamedSharding):
+        raise ValueError(
+          "implementation='pallas' on a sharded leaf needs the leaf's sharding as"
+          f" a NamedSharding on a Mesh; got {sharding!r}. Use"
+          " jax.sharding.NamedSharding (or implementation='xla')."
+        )
+    asked = _first_sharded_spec(shardings)
+    spec, block_spec, psum_axes = _specs(layout, asked, mesh.shape)
+    asked = tuple(asked) + (None,) * (len(spec) - len(tuple(asked)))
+    split_last = _mesh_axes(asked[-1]) if asked[-1] != spec[-1] else ()
     leaf_sh = NamedSharding(mesh, PartitionSpec(*spec))
+    out_sh = NamedSharding(mesh, PartitionSpec(*asked))  # the leaf keeps its spec
     block_sh = NamedSharding(mesh, PartitionSpec(*block_spec))
     replicated = NamedSharding(mesh, PartitionSpec())
     arg_shardings = (replicated, block_sh) + (leaf_sh,) * (len(arg_shapes) - 2)
-    results = (leaf_sh,) * 3 + (block_sh,) * 3
-    return mesh, per_shard(psum_axes), results, arg_shardings
+    results = (out_sh,) * 3 + (block_sh,) * 3
+    return mesh, per_shard(psum_axes, split_last), results, arg_shardings
 
   kernel.def_partition(
     partition=partition,
     sharding_rule=lambda mesh, operands, results: _sharding_rule(
-      layout, len(operands) - 2
+      layout, len(operands) - 2, mesh
     ),
   )
 
@@ -182,14 +214,30 @@ def _kernel_fns(
   return per_shard, batchable
 
 
-def _explicit_spec(x: jax.Array):
-  """The partition spec of ``x`` if its type carries one (Explicit mesh axes)."""
-  sharding = getattr(jax.typeof(x), "sharding", None)
-  if not isinstance(sharding, NamedSharding):
+def _first_sharded_spec(shardings) -> PartitionSpec:
+  """The spec the kernel's leaf arrays take: the first one that splits the leaf.
+
+  g first, then m, v, the mask and the params: a ZeRO-style step with a replicated
+  gradient and sharded moments keeps the moments' layout instead of gathering them.
+  """
+  for sharding in shardings:
+    if isinstance(sharding, NamedSharding) and any(
+      e is not None for e in sharding.spec
+    ):
+      return sharding.spec
+  return PartitionSpec()
+
+
+def _explicit_mesh_and_spec(arrays):
+  """(mesh, spec) if the arrays' types carry a sharding (Explicit axes), else None."""
+  shardings = [getattr(jax.typeof(x), "sharding", None) for x in arrays]
+  spec = _first_sharded_spec(shardings)
+  if not any(e is not None for e in spec):
     return None, None
-  if all(entry is None for entry in sharding.spec):
-    return None, None
-  return sharding.mesh, sharding.spec
+  mesh = next(
+    s.mesh for s in shardings if isinstance(s, NamedSharding) and s.spec == spec
+  )
+  return mesh, spec
 
 
 def masked_adam_pallas_partitioned(
@@ -215,10 +263,7 @@ def masked_adam_pallas_partitioned(
     ValueError: if the layout's blocks are not contiguous.
   """
   layout = layout or reference.tensor_layout(grad.shape)
-  if not pallas_gpu.is_contiguous(layout):  # the message of masked_adam_pallas
-    return pallas_gpu.masked_adam_pallas(
-      grad, mu, nu, hyper, constants, layout=layout, interpret=interpret
-    )
+  pallas_gpu.check_contiguous(layout)
   if scale is None:
     scale = jnp.ones(layout.block_shape, jnp.float32)
   scale = jnp.asarray(scale, jnp.float32).reshape(layout.block_shape)
@@ -228,7 +273,7 @@ def masked_adam_pallas_partitioned(
   )  # fmt: skip
   args = [hyper.astype(jnp.float32), scale, grad, mu, nu]
   args += [x for x in (param_mask, params) if x is not None]
-  mesh, spec = _explicit_spec(grad)
+  mesh, spec = _explicit_mesh_and_spec(args[2:])
   if mesh is None:  # Auto axes or one device: the partitioner calls back
     return reference.MaskedAdamOutput(*kernel(*args))
   # Explicit axes: the shardings are known now, so map over the shards directly.
@@ -246,4 +291,6 @@ def masked_adam_pallas_partitioned(
     out_specs=(leaf,) * 3 + (block,) * 3,
     check_vma=False,
   )(*args)
+  keep = NamedSharding(mesh, PartitionSpec(*spec))  # the leaf keeps its spec
+  out = [jax.sharding.reshard(x, keep) for x in out[:3]] + list(out[3:])
   return reference.MaskedAdamOutput(*out)
