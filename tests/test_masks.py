@@ -28,17 +28,26 @@ def _masks_over_steps(tx, params, steps=N_STEPS):
 
 
 def test_masks_follow_the_documented_key_derivation():
-  params = {"a": jnp.zeros((3, 4)), "b": jnp.zeros((5,))}
-  tx = magma.bernoulli_mask(0.3, key=11, granularity="row")
+  # Leaves that share a block shape are drawn in one batched call: still the same
+  # bits as one documented draw per leaf, also with another p within the batch.
+  params = {
+    "a": jnp.zeros((3, 4)),
+    "b": jnp.zeros((5,)),
+    "d": jnp.zeros((6,)),
+    "mlp": {"up": jnp.zeros((3, 7))},
+  }
+  probs = {"mlp": 0.8, "other": 0.3}
+  tx = magma.bernoulli_mask(probs, key=11, granularity="row")
   state = tx.init(params)
   ones = jax.tree.map(jnp.ones_like, params)
   key = jax.random.key(11)
+  leaf_p = [(3,), (), (), (3,)], [0.3, 0.3, 0.3, 0.8]
   for step in range(3):
     _, state = tx.update(ones, state)
     leaves = jax.tree.leaves(state.mask)
-    for index, (leaf, shape) in enumerate(zip(leaves, [(3,), ()], strict=True)):
+    for index, (leaf, shape, p) in enumerate(zip(leaves, *leaf_p, strict=True)):
       k = jax.random.fold_in(jax.random.fold_in(key, step), index)
-      np.testing.assert_array_equal(leaf, jax.random.bernoulli(k, 0.3, shape))
+      np.testing.assert_array_equal(leaf, jax.random.bernoulli(k, p, shape))
 
 
 @pytest.mark.parametrize("p", [0.25, 0.5, 0.9])
