@@ -20,6 +20,7 @@ Usage::
 
     python3 benchmarks/step_overhead.py                  # 1 M and 25 M, 15 rounds
     python3 benchmarks/step_overhead.py --sizes 1e6 --rounds 5 --leaves 8
+    python3 benchmarks/step_overhead.py --sizes transformer   # 144 leaves
 """
 
 from __future__ import annotations
@@ -56,6 +57,33 @@ def make_params(num_params: int, num_leaves: int, key: int = 0):
   return params, grads
 
 
+def make_transformer_params(layers: int = 12, width: int = 256, key: int = 0):
+  """A transformer-shaped tree: per layer 4 attention matrices, 2 MLP matrices and
+  6 vectors (biases, norm scales) -- 12 leaves a layer, 144 for 12 layers."""
+  shapes = {
+    "q": (width, width),
+    "k": (width, width),
+    "v": (width, width),
+    "o": (width, width),
+    "up": (width, 4 * width),
+    "down": (4 * width, width),
+    "ln1": (width,),
+    "ln2": (width,),
+    "b_up": (4 * width,),
+    "b_down": (width,),
+    "b_q": (width,),
+    "b_o": (width,),
+  }
+  keys = iter(jax.random.split(jax.random.key(key), 2 * layers * len(shapes)))
+  params, grads = {}, {}
+  for layer in range(layers):
+    for name, shape in shapes.items():
+      leaf = f"layer_{layer:02d}_{name}"
+      params[leaf] = jax.random.normal(next(keys), shape, jnp.float32) * 0.02
+      grads[leaf] = jax.random.normal(next(keys), shape, jnp.float32) * 1e-3
+  return params, grads
+
+
 def optimizer_step(tx):
   """A jitted step with params and state donated."""
 
@@ -84,8 +112,11 @@ def candidates(lr: float, implementations: list[str]):
   return out
 
 
-def run(num_params: int, num_leaves: int, rounds: int, implementations: list[str]):
-  params, grads = make_params(num_params, num_leaves)
+def run(num_params, num_leaves: int, rounds: int, implementations: list[str]):
+  if num_params == "transformer":
+    params, grads = make_transformer_params()
+  else:
+    params, grads = make_params(num_params, num_leaves)
   n = sum(x.size for x in jax.tree.leaves(params))
   txs = candidates(1e-3, implementations)
   steps = {name: optimizer_step(tx) for name, tx in txs.items()}
@@ -124,7 +155,11 @@ def run(num_params: int, num_leaves: int, rounds: int, implementations: list[str
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--sizes", default="1e6,25e6", help="parameter counts")
+  parser.add_argument(
+    "--sizes",
+    default="1e6,25e6",
+    help="parameter counts, and/or 'transformer' (144 leaves, 9.5 M params)",
+  )
   parser.add_argument("--leaves", type=int, default=8)
   parser.add_argument("--rounds", type=int, default=15)
   parser.add_argument(
@@ -144,8 +179,12 @@ def main():
     f" {args.rounds} interleaved rounds, {args.leaves} leaves, donated buffers"
   )
   for size in args.sizes.split(","):
-    n, rows = run(int(float(size)), args.leaves, args.rounds, impls)
-    print(f"\n## {n / 1e6:.1f} M params")
+    tree = size if size == "transformer" else int(float(size))
+    n, rows = run(tree, args.leaves, args.rounds, impls)
+    if size == "transformer":
+      print(f"\n## transformer tree: 144 leaves, {n / 1e6:.1f} M params")
+    else:
+      print(f"\n## {n / 1e6:.1f} M params")
     print("| step | median ms | x optax.adam | GB/s (28 B/param) | of copy BW |")
     print("|---|---:|---:|---:|---:|")
     for name, ms, ratio, bw, frac in rows:
