@@ -70,7 +70,6 @@ def draw_block_masks(
   for i, plan in enumerate(plans):
     if plan.layout is not None:
       groups.setdefault(tuple(plan.layout.block_shape), []).append(i)
-  step_key = jax.random.fold_in(key, count)
   for shape, members in groups.items():
     index = jnp.asarray([plans[i].index for i in members], jnp.uint32)
     p = jnp.stack(
@@ -79,7 +78,7 @@ def draw_block_masks(
         for i in members
       ]
     )
-    keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(step_key, index)
+    keys = jax.vmap(leaf_key, in_axes=(None, None, 0))(key, count, index)
     z = jax.vmap(lambda k, q, shape=shape: jax.random.bernoulli(k, q, shape))(keys, p)
     for j, i in enumerate(members):
       masks[i] = z[j]
