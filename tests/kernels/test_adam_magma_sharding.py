@@ -6,10 +6,7 @@ in another order). The compiled step must contain no all-gather: per-block sums
 are all-reduced, parameter-sized arrays are never gathered.
 """
 
-import json
-import os
-import subprocess
-import sys
+import _eight_devices
 
 SCRIPT = r"""
 import json, re, sys
@@ -52,14 +49,7 @@ print(json.dumps(out))
 
 
 def test_sharded_equals_one_device_without_gathers():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  env["JAX_PLATFORMS"] = "cpu"
-  res = subprocess.run(
-    [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
-    timeout=600,
-  )  # fmt: skip
-  assert res.returncode == 0, res.stderr[-3000:]
-  out = json.loads(res.stdout.strip().splitlines()[-1])
+  out = _eight_devices.run(SCRIPT)
   for gran, r in out.items():
     assert r["devices"] == 8
     assert r["err"] <= 1e-6, (gran, r)

@@ -9,10 +9,7 @@ order; float32 sums of up to 16384 terms). The compiled step must contain no
 all-gather, and the outputs keep the gradient's partition spec.
 """
 
-import json
-import os
-import subprocess
-import sys
+import _eight_devices
 
 SCRIPT = r"""
 import json, re
@@ -101,14 +98,7 @@ print(json.dumps(out))
 
 
 def test_pallas_on_sharded_leaves_runs_per_shard():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  env["JAX_PLATFORMS"] = "cpu"
-  res = subprocess.run(
-    [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
-    timeout=600,
-  )  # fmt: skip
-  assert res.returncode == 0, res.stderr[-3000:]
-  out = json.loads(res.stdout.strip().splitlines()[-1])
+  out = _eight_devices.run(SCRIPT)
   assert out["devices"] == 8
   assert len(out["cases"]) == 14
   for case in out["cases"]:
