@@ -32,6 +32,7 @@ import optax
 
 from magma_optax import _alignment
 from magma_optax import _blocks
+from magma_optax import _compat
 from magma_optax import _masks
 from magma_optax import _schedules
 from magma_optax import _scoping
@@ -61,7 +62,7 @@ class AdamMagmaState(NamedTuple):
 
 def _static_float(name: str, value: Any, valid: str) -> float:
   """A Python float from ``value``; traced values cannot be kernel constants."""
-  if isinstance(value, jax.core.Tracer):
+  if _compat.is_tracer(value):
     raise ValueError(
       f"{name} must be a Python float ({valid}), not a traced value: it is a"
       " constant of the fused kernel. With optax.inject_hyperparams, pass"
@@ -192,7 +193,7 @@ def adam_magma(
   mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
   has_decay = (
     _schedules.is_schedule(weight_decay)
-    or isinstance(weight_decay, jax.core.Tracer)  # optax.inject_hyperparams
+    or _compat.is_tracer(weight_decay)  # optax.inject_hyperparams
     or weight_decay != 0.0
   )
   # The wrapper's validation and state layout, reused: same checks, same masks.

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from magma_optax import _compat
+
 ScalarOrSchedule = float | jax.Array | optax.Schedule
 
 
@@ -31,7 +33,7 @@ def evaluate(value: ScalarOrSchedule, count: jax.Array) -> jax.Array:
 
 def _concrete(value: Any) -> float | None:
   """A Python float for a concrete scalar, ``None`` for a traced one."""
-  if isinstance(value, jax.core.Tracer):
+  if _compat.is_tracer(value):
     return None
   try:
     return float(value)

@@ -70,6 +70,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from magma_optax import _compat
 from magma_optax import _periodic
 from magma_optax import _scoping
 
@@ -295,7 +296,7 @@ def _raise_group_overflow(active, n, m):
 
 def _check(active, limit, raise_fn, *args):
   """``raise_fn(active, *args)`` if ``active > limit``; at run time under jit."""
-  if isinstance(active, jax.core.Tracer):
+  if _compat.is_tracer(active):
     jax.lax.cond(
       active > limit,
       lambda: jax.debug.callback(raise_fn, active, *args),

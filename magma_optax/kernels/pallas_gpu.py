@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from magma_optax import _blocks
+from magma_optax import _compat
 from magma_optax.kernels import config as config_lib
 from magma_optax.kernels import reference
 
@@ -126,7 +127,7 @@ def masked_adam_pallas(
   Raises:
     ValueError: if the layout's blocks are not contiguous.
   """
-  from jax.experimental import pallas as pl  # lazy: ~0.1 s, only when used
+  pl = _compat.pallas()  # lazy: ~0.1 s, only when used
 
   layout = layout or reference.tensor_layout(grad.shape)
   check_contiguous(layout)
@@ -172,9 +173,7 @@ def masked_adam_pallas(
   )
   compiler_params = None
   if not interpret:
-    from jax.experimental.pallas import triton as plgpu  # GPU-only import
-
-    compiler_params = plgpu.CompilerParams(num_warps=sizes.num_warps or 4)
+    compiler_params = _compat.triton_compiler_params(sizes.num_warps or 4)
   kernel = functools.partial(
     _kernel,
     constants=constants,

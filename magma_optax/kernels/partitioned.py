@@ -41,11 +41,11 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import custom_partitioning as cp_lib
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
 from magma_optax import _blocks
+from magma_optax import _compat
 from magma_optax.kernels import config as config_lib
 from magma_optax.kernels import pallas_gpu
 from magma_optax.kernels import reference
@@ -167,7 +167,7 @@ def _kernel_fns(
 
     return lower_fn
 
-  @cp_lib.custom_partitioning
+  @_compat.custom_partitioning()
   def kernel(hyper, scale, g, m, v, *rest):
     return run(layout, hyper, scale, g, m, v, *rest)
 

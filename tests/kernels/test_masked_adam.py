@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from magma_optax import _blocks
+from magma_optax import _compat
 from magma_optax import kernels
 from magma_optax.kernels import api
 from magma_optax.kernels import pallas_gpu
@@ -230,6 +231,33 @@ def test_shape_checks():
     )  # fmt: skip
 
 
+def _abstract_gpu(entry):
+  """A context in which jax lowers for an H100 though none is attached.
+
+  jax >= 0.11 asks Pallas' Triton lowering for the target GPU (a real one, or an
+  abstract device on an abstract mesh); older versions lower without asking, and
+  get no abstract mesh (``custom_partitioning`` cannot lower under one).
+  """
+  import contextlib
+
+  if not _compat.TRITON_DEPRECATED:
+    return contextlib.nullcontext()
+  if not hasattr(jax.sharding, "AbstractDevice"):
+    pytest.skip(f"jax {jax.__version__} has no jax.sharding.AbstractDevice")
+  if entry is partitioned.masked_adam_pallas_partitioned:
+    pytest.skip(
+      f"jax {jax.__version__}: Triton lowering without a GPU needs an abstract mesh,"
+      " and custom_partitioning cannot lower under one (covered on jax < 0.11)"
+    )
+  device = jax.sharding.AbstractDevice(
+    device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"
+  )
+  mesh = jax.sharding.AbstractMesh(
+    (1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=device
+  )
+  return jax.sharding.use_abstract_mesh(mesh)
+
+
 @pytest.mark.parametrize(
   "entry",
   [pallas_gpu.masked_adam_pallas, partitioned.masked_adam_pallas_partitioned],
@@ -240,8 +268,11 @@ def test_pallas_kernel_lowers_to_triton_without_a_gpu(masked, entry):
   """Cross-lowering for CUDA runs the Pallas -> Triton lowering on any host.
 
   It catches unsupported ops in the kernel body; compiling the Triton IR to PTX and
-  running it needs a GPU (benchmarks/gpu_check.py).
+  running it needs a GPU (benchmarks/gpu_check.py). On jax >= 0.11 the lowering
+  emits jax's deprecation warning for the Triton backend, and only there.
   """
+  import warnings
+
   from jax import export
 
   shape = (100, 300)
@@ -259,12 +290,37 @@ def test_pallas_kernel_lowers_to_triton_without_a_gpu(masked, entry):
     spec(shape, jnp.bool_), spec((100,), jnp.float32), spec((4,), jnp.float32),
   ]  # fmt: skip
   triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-  exported = export.export(
-    jax.jit(fused), platforms=["cuda"], disabled_checks=[triton]
-  )(*args)
+  with warnings.catch_warnings(record=True) as caught, _abstract_gpu(entry):
+    warnings.simplefilter("always")
+    exported = export.export(
+      jax.jit(fused), platforms=["cuda"], disabled_checks=[triton]
+    )(*args)
   text = exported.mlir_module()
   assert "xla.gpu.triton" in text
   assert len(exported.out_avals) == 6
+  deprecations = [w for w in caught if "Triton backend is deprecated" in str(w.message)]
+  assert bool(deprecations) == _compat.TRITON_DEPRECATED, caught
+
+
+def test_default_path_emits_no_triton_warning():
+  """The XLA default never lowers a Pallas kernel, so jax's warning never shows.
+
+  The positive control is the cross-lowering test above: the same lowering that
+  this path avoids does warn on jax >= 0.11.
+  """
+  import warnings
+
+  import optax
+
+  import magma_optax as magma
+
+  params = {"w": jnp.ones((8, 16)), "b": jnp.ones(16)}
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for tx in (magma.adam_magma(1e-3), magma.magma(optax.adam(1e-3))):
+      state = tx.init(params)
+      jax.jit(tx.update)(params, state, params)
+  assert not [w for w in caught if "Triton" in str(w.message)], caught
 
 
 def test_pallas_under_vmap_matches_xla_per_example():

@@ -1,0 +1,53 @@
+"""The one place that touches JAX APIs outside its compatibility policy.
+
+JAX promises stability for ``jax.*`` public APIs, not for ``jax.core``, for
+``jax.experimental`` or for Pallas (jax's own docs call all of them experimental).
+Everything the package needs from them is reached through this module, so a move
+between jax versions (we support 0.10.2, the last release for Python 3.11, to the
+newest) is fixed here once. Imports of Pallas are lazy: ``import magma_optax`` does
+not load Pallas, which only the kernels' Pallas path needs.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+
+JAX_VERSION: tuple[int, ...] = tuple(
+  int(part) for part in jax.__version__.split(".")[:3] if part.isdigit()
+)
+
+# jax 0.11 deprecated the Pallas Triton backend: lowering a Triton kernel warns
+# ("migrate to the Mosaic GPU backend"). Only an explicit
+# ``implementation="pallas"`` on a GPU lowers one; the default XLA path never does.
+TRITON_DEPRECATED = JAX_VERSION >= (0, 11)
+
+
+def is_tracer(value: Any) -> bool:
+  """Whether ``value`` is a traced value (inside ``jit``, ``grad``, ...)."""
+  return isinstance(value, jax.core.Tracer)
+
+
+@functools.cache
+def custom_partitioning():
+  """``jax.experimental.custom_partitioning.custom_partitioning``."""
+  from jax.experimental import custom_partitioning as cp_lib
+
+  return cp_lib.custom_partitioning
+
+
+@functools.cache
+def pallas():
+  """The ``jax.experimental.pallas`` module (imported on first use)."""
+  from jax.experimental import pallas as pl
+
+  return pl
+
+
+def triton_compiler_params(num_warps: int) -> Any:
+  """Compiler params of the Pallas Triton backend (needs a GPU-enabled jaxlib)."""
+  from jax.experimental.pallas import triton as plgpu
+
+  return plgpu.CompilerParams(num_warps=num_warps)
