@@ -623,8 +623,8 @@ def periodic_mask(
       and :func:`linear_sparsity_schedule`). With ``structure=(n, m)`` leave it
       ``None`` (it is ``1 - n / m``).
     every: refresh period T >= 1 in steps.
-    importance: ``"magnitude_grad"`` (|W| |g|), ``"magnitude"`` (|W|) or a callable
-      ``(param, grad) -> scores`` of the parameter's shape (higher = keep).
+    importance: ``"magnitude_grad"`` (``|W| |g|``), ``"magnitude"`` (``|W|``) or a
+      callable ``(param, grad) -> scores`` of the parameter's shape (higher = keep).
     structure: ``(n, m)`` with 1 <= n <= m for N:M sparsity along ``axis``;
       ``None`` for unstructured top-k.
     schedule: ``None``/``"constant"`` (the target is ``sparsity`` from ``start``),

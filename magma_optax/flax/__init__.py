@@ -1,8 +1,16 @@
-"""Flax pieces for magma_optax (needs flax: ``pip install "magma-optax[demo]"``).
+"""Flax pieces for magma_optax (needs flax: ``pip install "magma-optax[flax]"``).
 
-Not imported by ``import magma_optax``: the core package depends on jax, optax and chex
-only.
+Not imported by ``import magma_optax``: the core package depends on jax, optax and
+numpy only.
 """
+
+try:
+  import flax  # noqa: F401
+except ImportError as e:  # say which extra brings it
+  raise ImportError(
+    "magma_optax.flax needs flax, which magma_optax does not install by default:"
+    ' pip install "magma-optax[flax]" (or "magma-optax[demo]" for the demo too).'
+  ) from e
 
 from magma_optax.flax import llama
 from magma_optax.flax import scaling
