@@ -3,10 +3,12 @@
 Runs with ``MAGMA_NOTEBOOK_SMALL=1`` (each notebook switches to tiny sizes), kernel
 ``python3`` and the notebooks' folder as working directory, so relative paths in a
 notebook behave as when it is opened there. New notebooks are picked up automatically.
+Every notebook starts with the same install cell, and prints ``small=True`` once it
+has read the small-mode switch (so a notebook that ignores it fails here).
 """
 
-import os
 import pathlib
+import re
 import time
 
 import pytest
@@ -49,4 +51,25 @@ def test_notebook_runs(path, monkeypatch):
   ]
   assert not errors, f"{path.name}: error outputs {errors}"
   print(f"{path.name}: {seconds:.1f} s")
-  assert os.environ["MAGMA_NOTEBOOK_SMALL"] == "1"
+  printed = "".join(
+    out.get("text", "")
+    for cell in nb.cells
+    if cell.cell_type == "code"
+    for out in cell.get("outputs", [])
+    if out.get("output_type") == "stream"
+  )
+  assert "small=True" in printed, f"{path.name} did not switch to small mode"
+  assert re.search(r"^magma_optax \d+\.\d+", printed, re.M), printed[:500]  # cell 1
+
+
+def _first_code_cell(path):
+  nb = nbformat.read(path, as_version=4)
+  return next(c.source for c in nb.cells if c.cell_type == "code")
+
+
+def test_every_notebook_has_the_same_install_cell():
+  cells = {path.name: _first_code_cell(path) for path in NOTEBOOKS}
+  first = next(iter(cells.values()))
+  assert "magma-optax[demo]" in first and '"-e"' in first  # PyPI and the checkout
+  different = [name for name, cell in cells.items() if cell != first]
+  assert not different, f"install cell differs from {NOTEBOOKS[0].name}: {different}"
