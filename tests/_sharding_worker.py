@@ -275,6 +275,17 @@ def collectives(hlo_text):
   return out
 
 
+def gathering_control(mesh):
+  """Collectives of a step built to gather a sharded parameter (a full sort of it).
+
+  The positive control of the "no parameter-sized collectives" checks: the same
+  parser must find a parameter-sized all-gather here.
+  """
+  w = jax.device_put(jnp.ones((16, 64)), NamedSharding(mesh, P("x", "y")))
+  hlo = jax.jit(lambda w: jnp.sort(w.reshape(-1))).lower(w).compile().as_text()
+  return collectives(hlo)
+
+
 def describe(x):
   s = x.sharding
   spec = list(map(str, s.spec)) if isinstance(s, NamedSharding) else type(s).__name__
@@ -471,6 +482,7 @@ def main(out_dir):
   if sparse_transforms():
     report["sparse"] = sharded_run("sparse", sparse_transforms(), auto, out_dir)
     lap("sparse")
+  report["gathering_control"] = gathering_control(auto)
   report["mlp"] = data_model_parallel(auto, out_dir)
   lap("mlp")
   report["shard_map_cosine"] = shard_map_cosine(auto)

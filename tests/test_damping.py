@@ -31,10 +31,21 @@ def test_zero_coefficient_is_identity_and_where_scopes():
 
 
 def test_damping_in_a_chain_after_adam():
-  params = {"w": jnp.ones((3, 3))}
-  tx = optax.chain(optax.adam(1e-3), magma.damping(0.1))
-  updates, _ = tx.update(params, tx.init(params), params)
-  assert updates["w"].shape == (3, 3)
+  """chain(adam, damping) damps Adam's own update, step after step (numpy Adam)."""
+  rng = np.random.default_rng(1)
+  grads = [rng.normal(size=(3, 5)).astype(np.float32) for _ in range(3)]
+  lr, c, b1, b2, eps = 0.5, 0.3, 0.9, 0.999, 1e-8
+  tx = optax.chain(optax.adam(lr), magma.damping(c, granularity="row"))
+  params = {"w": jnp.zeros((3, 5))}
+  state, step = tx.init(params), jax.jit(tx.update)
+  m = v = np.zeros((3, 5))
+  for t, g in enumerate(grads, start=1):
+    updates, state = step({"w": jnp.asarray(g)}, state, params)
+    m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+    adam = -lr * (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps)
+    want = adam / (1 + c * np.linalg.norm(adam, axis=1, keepdims=True))
+    np.testing.assert_allclose(updates["w"], want, rtol=1e-5, atol=1e-7)
+    assert not np.allclose(want, adam, rtol=1e-2)  # the damping is not negligible
 
 
 def test_bad_coefficient():

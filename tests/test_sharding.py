@@ -104,8 +104,15 @@ def test_state_follows_parameter_shardings(report, run):
   assert checked >= {"core": 30, "explicit": 10}[run]
 
 
+def _assert_the_parser_finds_a_gather(report):
+  """Positive control: a step built to gather a sharded (16, 64) parameter."""
+  big = [(op, n) for op, n in report["gathering_control"] if n >= SMALLEST_MATRIX]
+  assert big, report["gathering_control"]
+
+
 @pytest.mark.parametrize("run", ["core", "explicit", "mlp"])
 def test_no_parameter_sized_collectives(report, run):
+  _assert_the_parser_finds_a_gather(report)
   ops = report[run]["collectives"]
   assert any(op == "all-reduce" for op, _ in ops)  # the per-block partial sums
   big = [(op, n) for op, n in ops if n >= SMALLEST_MATRIX]
@@ -115,6 +122,7 @@ def test_no_parameter_sized_collectives(report, run):
 def test_sparse_wrappers_no_parameter_sized_gathers(report):
   if "sparse" not in report:
     pytest.skip("the package has no periodic_mask/sparse_state")
+  _assert_the_parser_finds_a_gather(report)
   big = [(op, n) for op, n in report["sparse"]["collectives"] if n >= SMALLEST_MATRIX]
   assert not big, big
 
