@@ -275,6 +275,15 @@ def collectives(hlo_text):
   return out
 
 
+def compile_counter_control():
+  """Compiles counted for a fresh function called twice: must be exactly 1."""
+  f, x = jax.jit(lambda x: x * 3 + 1), jnp.arange(7.0)
+  with count_compiles() as n:
+    f(x)
+    f(x)
+  return n[0]
+
+
 def gathering_control(mesh):
   """Collectives of a step built to gather a sharded parameter (a full sort of it).
 
@@ -483,6 +492,7 @@ def main(out_dir):
     report["sparse"] = sharded_run("sparse", sparse_transforms(), auto, out_dir)
     lap("sparse")
   report["gathering_control"] = gathering_control(auto)
+  report["compile_counter_control"] = compile_counter_control()
   report["mlp"] = data_model_parallel(auto, out_dir)
   lap("mlp")
   report["shard_map_cosine"] = shard_map_cosine(auto)

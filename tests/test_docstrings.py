@@ -1,7 +1,8 @@
-"""Every docstring example of the public API runs (doctest)."""
+"""Every docstring example of the public API runs (doctest), and examples exist."""
 
 import doctest
 import importlib
+import inspect
 import pkgutil
 
 import pytest
@@ -13,6 +14,18 @@ MODULES = sorted(
   for m in pkgutil.walk_packages(magma_optax.__path__, "magma_optax.")
   if m.name != "magma_optax.demo"
 )
+# Modules with no examples of their own: internals, package __init__ files that only
+# re-export, and kernel back ends whose entry point (kernels.api) has the example.
+NO_EXAMPLES = {
+  "magma_optax._compat",
+  "magma_optax._schedules",
+  "magma_optax.flax",
+  "magma_optax.kernels",
+  "magma_optax.kernels.config",
+  "magma_optax.kernels.pallas_gpu",
+  "magma_optax.kernels.partitioned",
+  "magma_optax.kernels.reference",
+}
 
 
 @pytest.mark.parametrize("name", MODULES)
@@ -25,3 +38,15 @@ def test_docstring_examples_run(name):
     module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
   )
   assert result.failed == 0, f"{result.failed} docstring example(s) failed in {name}"
+  # A module that should have examples but lost them would pass the line above.
+  assert (result.attempted == 0) == (name in NO_EXAMPLES), (name, result)
+
+
+@pytest.mark.parametrize("module", [magma_optax, magma_optax.sharding])
+def test_every_public_function_has_an_example(module):
+  functions = [
+    name for name in module.__all__ if inspect.isfunction(getattr(module, name))
+  ]
+  assert len(functions) >= 4
+  missing = [n for n in functions if ">>>" not in (getattr(module, n).__doc__ or "")]
+  assert not missing, f"public functions without a docstring example: {missing}"

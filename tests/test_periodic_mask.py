@@ -81,11 +81,15 @@ def test_exact_sparsity_every_shape_every_step(per_leaf_run):
 
 def test_update_identity_is_exact(per_leaf_run):
   records, _ = per_leaf_run
-  for params, _, _, state, updates, _ in records:
+  for params, grads, _, state, updates, new_params in records:
     for name in params:
       p, u = np.asarray(params[name]), np.asarray(updates[name])
       m = np.asarray(state.mask[name])
       np.testing.assert_array_equal(p + u, m * (p + u))
+      # Kept weights take the inner SGD(0.1) step; pruned ones are exactly zero.
+      g = np.asarray(grads[name])
+      want = np.where(m, p - 0.1 * g, 0.0)
+      np.testing.assert_allclose(new_params[name], want, rtol=1e-6, atol=1e-7)
 
 
 def test_no_recompilation(per_leaf_run):

@@ -302,16 +302,23 @@ def test_bf16_updates_keep_their_dtype_and_scores_are_f32():
 
 def test_multisteps_around_wrapper():
   params = {"w": jnp.ones((4, 4))}
-  tx = optax.MultiSteps(magma.magma(optax.adam(1e-2), key=0), every_k_schedule=2)
+  inner = magma.magma(optax.adam(1e-2), key=0, keep_prob=1.0)
+  tx = optax.MultiSteps(inner, every_k_schedule=2)
   state = tx.init(params)
   step = jax.jit(tx.update)
-  g = {"w": jnp.full((4, 4), 0.5)}
-  u1, state = step(g, state, params)
+  g1 = {"w": jax.random.normal(jax.random.key(1), (4, 4))}
+  g2 = {"w": jax.random.normal(jax.random.key(2), (4, 4))}
+  u1, state = step(g1, state, params)
   np.testing.assert_array_equal(u1["w"], 0.0)  # accumulating
   assert int(magma.mask_stats(state)["step"]) == 0
-  u2, state = step(g, state, params)
+  u2, state = step(g2, state, params)
   assert int(magma.mask_stats(state)["step"]) == 1
   assert step._cache_size() == 1
+  # The wrapper saw one step with the mean gradient, as it would alone.
+  mean = jax.tree.map(lambda a, b: (a + b) / 2, g1, g2)
+  want, _ = inner.update(mean, inner.init(params), params)
+  np.testing.assert_allclose(u2["w"], want["w"], rtol=1e-6)
+  assert np.all(np.asarray(u2["w"]) != 0)
 
 
 def test_extra_args_are_passed_to_the_base():

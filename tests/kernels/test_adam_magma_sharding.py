@@ -3,7 +3,8 @@
 Runs in a subprocess (the device count is fixed when jax starts). Tolerance: 1e-6
 absolute on parameters of order 1 after 3 steps (the sharded block sums are reduced
 in another order). The compiled step must contain no all-gather: per-block sums
-are all-reduced, parameter-sized arrays are never gathered.
+are all-reduced, parameter-sized arrays are never gathered (a step built to gather
+one is the count's positive control).
 """
 
 import _eight_devices
@@ -44,12 +45,18 @@ for gran in ("tensor", "column"):
     "still_sharded": p2["w"].sharding.spec == P("x", "y"),
     "devices": jax.device_count(),
   }
+# Positive control for the count above: a step built to gather a sharded leaf.
+w = jax.device_put(params["w"], NamedSharding(mesh, P("x", "y")))
+gather = jax.jit(lambda w: 2 * w, out_shardings=NamedSharding(mesh, P()))
+control = gather.lower(w).compile().as_text()
+out["control_all_gathers"] = len(re.findall(r"all-gather(-start)?\(", control))
 print(json.dumps(out))
 """
 
 
 def test_sharded_equals_one_device_without_gathers():
   out = _eight_devices.run(SCRIPT)
+  assert out.pop("control_all_gathers") >= 1  # the count does see a gather
   for gran, r in out.items():
     assert r["devices"] == 8
     assert r["err"] <= 1e-6, (gran, r)

@@ -302,25 +302,37 @@ def test_pallas_kernel_lowers_to_triton_without_a_gpu(masked, entry):
   assert bool(deprecations) == _compat.TRITON_DEPRECATED, caught
 
 
-def test_default_path_emits_no_triton_warning():
-  """The XLA default never lowers a Pallas kernel, so jax's warning never shows.
-
-  The positive control is the cross-lowering test above: the same lowering that
-  this path avoids does warn on jax >= 0.11.
-  """
+def test_default_path_lowers_no_pallas_kernel_and_no_triton_warning(monkeypatch):
+  """The XLA default never reaches the Pallas kernel, so jax's Triton deprecation
+  warning (jax >= 0.11) cannot show; an explicit ``"pallas"`` request does reach it
+  (the positive control, on any jax: the same counter sees its calls)."""
   import warnings
 
   import optax
 
   import magma_optax as magma
 
+  calls = []
+  kernel = pallas_gpu.masked_adam_pallas
+
+  def counted(*args, **kwargs):
+    calls.append(1)
+    return kernel(*args, **kwargs)
+
+  monkeypatch.setattr(pallas_gpu, "masked_adam_pallas", counted)
   params = {"w": jnp.ones((8, 16)), "b": jnp.ones(16)}
-  with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    for tx in (magma.adam_magma(1e-3), magma.magma(optax.adam(1e-3))):
-      state = tx.init(params)
-      jax.jit(tx.update)(params, state, params)
-  assert not [w for w in caught if "Triton" in str(w.message)], caught
+
+  def steps(*txs):
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      for tx in txs:
+        jax.jit(tx.update)(params, tx.init(params), params)
+    return [w for w in caught if "Triton" in str(w.message)]
+
+  assert not steps(magma.adam_magma(1e-3), magma.magma(optax.adam(1e-3)))
+  assert not calls
+  steps(magma.adam_magma(1e-3, implementation="pallas", interpret=True))
+  assert len(calls) == 2  # one kernel per leaf
 
 
 def test_pallas_under_vmap_matches_xla_per_example():
