@@ -4,8 +4,8 @@
 Adam's moments, Magma's alignment sums and the masked, scaled update, instead of
 running ``optax.adam`` and then a second pass for the cosine and the mask. The masks
 come from the same functions as the wrapper's (``_scoping.plan_leaves``,
-``_masks.draw_block_masks``: one draw per (key, step, leaf, block)), so for the same
-key and hyperparameters the updates equal ``magma.magma(optax.adam(...))``
+``_masks.draw_block_masks``: one draw per (key, step, leaf path, block)), so for the
+same key and hyperparameters the updates equal ``magma.magma(optax.adam(...))``
 (``optax.adamw`` with ``weight_decay``) up to float32 rounding of the reductions.
 
 The state keeps Adam's ``count``, ``mu`` and ``nu`` (found by name, as for

@@ -1,15 +1,18 @@
 """Random block masks: SkipUpdate (arXiv 2602.15322) and the draws Magma uses.
 
-Every mask draw is a pure function of ``(key, step, leaf index, block index)``::
+Every mask draw is a pure function of ``(key, step, leaf path, block index)``::
 
-    k_leaf = fold_in(fold_in(key, step), leaf_index)
+    k_leaf = fold_in(fold_in(key, step), crc32(keystr(path)))
     z      = bernoulli(k_leaf, keep_prob, shape=block_shape)
 
 where ``key`` is the typed PRNG key kept in the state, ``step`` the state's count
-(0 at the first update) and ``leaf_index`` the leaf's position in the flattened
-parameter tree. JAX's counter-based PRNG makes ``z[b]`` depend on the block index only,
-never on how the array is laid out over devices, so every device and every host draws
-the same mask for the same key -- the guarantee replicas need to stay identical.
+(0 at the first update) and ``path`` the leaf's key path in the whole parameter tree
+(``jax.tree_util.keystr``, hashed by :func:`magma_optax._scoping.path_id`). Not the
+leaf's position: positions restart inside ``optax.masked`` / ``multi_transform``
+groups, whose leaves would then draw the same masks, and shift when a leaf is added.
+JAX's counter-based PRNG makes ``z[b]`` depend on the block index only, never on how
+the array is laid out over devices, so every device and every host draws the same
+mask for the same key -- the guarantee replicas need to stay identical.
 """
 
 from __future__ import annotations
@@ -49,9 +52,9 @@ def as_key(key: KeyLike) -> jax.Array:
   )
 
 
-def leaf_key(key: jax.Array, count: jax.Array, leaf_index: int) -> jax.Array:
+def leaf_key(key: jax.Array, count: jax.Array, path_id: Any) -> jax.Array:
   """The key of one leaf's draw at one step (see the module docstring)."""
-  return jax.random.fold_in(jax.random.fold_in(key, count), leaf_index)
+  return jax.random.fold_in(jax.random.fold_in(key, count), path_id)
 
 
 def draw_block_masks(
@@ -60,7 +63,7 @@ def draw_block_masks(
   """Per-leaf boolean block masks ``z`` (``MaskedNode`` for unmasked leaves).
 
   Leaves with the same block shape are drawn in one vmapped call: the same bits as
-  one ``bernoulli(leaf_key(key, count, index), p, block_shape)`` per leaf (JAX's
+  one ``bernoulli(leaf_key(key, count, path_id), p, block_shape)`` per leaf (JAX's
   random functions commute with ``vmap``), in one random-bits computation instead
   of one per leaf. On a 144-leaf model on CPU that took ``skip_update(adam)`` from
   1.24x to 1.08x ``optax.adam``.
@@ -71,14 +74,14 @@ def draw_block_masks(
     if plan.layout is not None:
       groups.setdefault(tuple(plan.layout.block_shape), []).append(i)
   for shape, members in groups.items():
-    index = jnp.asarray([plans[i].index for i in members], jnp.uint32)
+    ids = jnp.asarray([plans[i].path_id for i in members], jnp.uint32)
     p = jnp.stack(
       [
         jnp.asarray(_schedules.evaluate(plans[i].keep_prob, count), jnp.float32)
         for i in members
       ]
     )
-    keys = jax.vmap(leaf_key, in_axes=(None, None, 0))(key, count, index)
+    keys = jax.vmap(leaf_key, in_axes=(None, None, 0))(key, count, ids)
     z = jax.vmap(lambda k, q, shape=shape: jax.random.bernoulli(k, q, shape))(keys, p)
     for j, i in enumerate(members):
       masks[i] = z[j]
@@ -171,7 +174,8 @@ def bernoulli_mask(
       ``optax.Schedule`` of the step count, or a mapping label -> float/schedule
       (labels from ``labels``; leaves whose label is absent are not masked).
     key: PRNG key (int or ``jax.random.key``); keyword-only, default 0. Pass your
-      own for independent runs. Draws depend only on (key, step, leaf, block).
+      own for independent runs. Draws depend only on (key, step, leaf path,
+      block).
     rescale: divide kept blocks by p (unbiased SkipUpdate); ``False`` keeps them
       unscaled.
     granularity: ``"tensor"``, ``"row"``, ``"column"``, ``"element"`` or a tile

@@ -25,6 +25,7 @@ absent from the mapping are not masked, and a label that matches no leaf is an e
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
@@ -125,21 +126,33 @@ def attention_mlp_weights(path: KeyPath, leaf: Any) -> bool:
   return jnp.ndim(leaf) >= 2 and transformer_labels(path) in ("attention", "mlp")
 
 
+def path_id(path: KeyPath) -> int:
+  """A stable 32-bit id of a key path: CRC-32 of ``jax.tree_util.keystr(path)``.
+
+  It enters every mask draw (not the leaf's position, which restarts inside each
+  ``optax.masked`` / ``optax.multi_transform`` group and shifts when a leaf is
+  added). CRC-32 is the same on every host and Python process (``hash`` is not).
+  """
+  return zlib.crc32(jax.tree_util.keystr(path).encode("utf-8"))
+
+
 @dataclasses.dataclass(frozen=True)
 class LeafPlan:
   """What a mask does to one leaf (static, rebuilt identically at init and update).
 
   Attributes:
-    index: position of the leaf in the flattened tree (enters the mask's PRNG key).
+    index: position of the leaf in the flattened tree (to match state leaves).
     label: the leaf's label (for per-label keep probabilities and statistics).
     layout: the leaf's block layout, or ``None`` when the leaf is not masked.
     keep_prob: the leaf's keep probability (float, array or schedule).
+    path_id: :func:`path_id` of the leaf's key path (enters the mask's PRNG key).
   """
 
   index: int
   label: str
   layout: _blocks.BlockLayout | None
   keep_prob: Any = None
+  path_id: int = 0
 
 
 def _per_leaf(spec: Any, paths_leaves, treedef, name: str) -> list[Any]:
@@ -199,7 +212,7 @@ def plan_leaves(
         f" labels present are {sorted(set(label_list))}."
       )
   plans = []
-  for i, ((_, x), ok, label) in enumerate(
+  for i, ((path, x), ok, label) in enumerate(
     zip(paths_leaves, scoped, label_list, strict=True)
   ):
     floating = hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
@@ -210,9 +223,9 @@ def plan_leaves(
       p = keep_prob
     if ok and floating:
       layout = _blocks.block_layout(jnp.shape(x), granularity, stack_axes)
-      plans.append(LeafPlan(i, str(label), layout, p))
+      plans.append(LeafPlan(i, str(label), layout, p, path_id(path)))
     else:
-      plans.append(LeafPlan(i, str(label), None, None))
+      plans.append(LeafPlan(i, str(label), None, None, path_id(path)))
   return plans, treedef
 
 

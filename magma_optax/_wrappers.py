@@ -101,7 +101,7 @@ def magma(
     keep_prob: probability p in (0, 1] of keeping a block (paper: 0.5); float,
       schedule, or a mapping label -> probability.
     key: PRNG key (int or ``jax.random.key``); keyword-only, default 0. Masks depend
-      only on (key, step, leaf, block), so they agree on every device and host.
+      only on (key, step, leaf path, block), so they agree on every device and host.
     score_decay: EMA decay of the score, in [0, 1) (paper: 0.9).
     init_score: s_0 in [0, 1] (default 0.5).
     momentum_decay: decay in [0, 1) of the wrapper's own gradient EMA, used only

@@ -32,12 +32,13 @@ the state keeps one layout and the step compiles once::
     step = jax.jit(train_step, out_shardings=(params_sh, state_sh))
 
 **Multi-host guarantee.** Every mask draw is a pure function of (key, step, leaf
-index, block index): ``bernoulli(fold_in(fold_in(key, step), leaf), p, block_shape)``
-with the key stored in the state, the state's step count and the leaf's position in
-the flattened parameter tree. It does not depend on the number of devices or hosts,
-the mesh, the parameters' shardings or the process, so every replica takes the same
-mask (``jax_threefry_partitionable``, JAX's default, lets each device generate only
-its own blocks). Keep the parameter tree's structure identical on every host.
+path, block index): ``bernoulli(fold_in(fold_in(key, step), crc32(keystr(path))), p,
+block_shape)`` with the key stored in the state, the state's step count and the
+leaf's key path in the parameter tree. It does not depend on the number of devices
+or hosts, the mesh, the parameters' shardings or the process, so every replica takes
+the same mask (``jax_threefry_partitionable``, JAX's default, lets each device
+generate only its own blocks). Keep the parameter tree's paths identical on every
+host.
 Tested on 8 devices vs 1 and on two ``jax.distributed`` processes
 (tests/test_multihost.py).
 

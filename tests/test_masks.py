@@ -1,5 +1,7 @@
 """bernoulli_mask: draws, statistics, keys, schedules, labels, inject_hyperparams."""
 
+import zlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,12 +44,37 @@ def test_masks_follow_the_documented_key_derivation():
   ones = jax.tree.map(jnp.ones_like, params)
   key = jax.random.key(11)
   leaf_p = [(3,), (), (), (3,)], [0.3, 0.3, 0.3, 0.8]
+  paths = ["['a']", "['b']", "['d']", "['mlp']['up']"]  # keystr of each leaf's path
   for step in range(3):
     _, state = tx.update(ones, state)
     leaves = jax.tree.leaves(state.mask)
-    for index, (leaf, shape, p) in enumerate(zip(leaves, *leaf_p, strict=True)):
-      k = jax.random.fold_in(jax.random.fold_in(key, step), index)
+    for path, leaf, shape, p in zip(paths, leaves, *leaf_p, strict=True):
+      leaf_id = zlib.crc32(path.encode())
+      k = jax.random.fold_in(jax.random.fold_in(key, step), leaf_id)
       np.testing.assert_array_equal(leaf, jax.random.bernoulli(k, p, shape))
+
+
+def test_groups_with_one_key_draw_different_masks():
+  """Keys come from the leaf's path in the whole tree, not its position, which
+  restarts at 0 inside each optax.multi_transform / optax.masked group."""
+  params = {"a": jnp.zeros((64,)), "m": jnp.zeros((64,))}
+  group = lambda: magma.bernoulli_mask(0.5, key=3, granularity="element")
+  tx = optax.multi_transform({"a": group(), "m": group()}, {"a": "a", "m": "m"})
+  alone = group()
+  ones = jax.tree.map(jnp.ones_like, params)
+  state, alone_state = tx.init(params), alone.init(params)
+  for _ in range(3):
+    u, state = tx.update(ones, state)
+    want, alone_state = alone.update(ones, alone_state)
+    assert not np.array_equal(u["a"], u["m"])
+    # Each group draws what the transform alone draws for that path.
+    np.testing.assert_array_equal(u["a"], want["a"])
+    np.testing.assert_array_equal(u["m"], want["m"])
+  # Adding an unrelated leaf does not change the others' masks.
+  more = {**params, "extra": jnp.zeros((5,))}
+  u_more, _ = group().update(jax.tree.map(jnp.ones_like, more), group().init(more))
+  u_base, _ = group().update(ones, group().init(params))
+  np.testing.assert_array_equal(u_more["m"], u_base["m"])
 
 
 @pytest.mark.parametrize("p", [0.25, 0.5, 0.9])

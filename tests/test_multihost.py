@@ -1,7 +1,8 @@
 """Multi-host safety: masks depend only on (key, step, leaf, block).
 
 The guarantee (documented in magma_optax.sharding): the mask of leaf ``i`` at step
-``t`` is ``bernoulli(fold_in(fold_in(key, t), i), keep_prob, block_shape)``. Nothing
+``t`` is ``bernoulli(fold_in(fold_in(key, t), crc32(keystr(path_i))), keep_prob,
+block_shape)``. Nothing
 else enters -- not the device count, the mesh, the shardings, the process, nor the
 gradients -- so every host of a multi-host job draws the same masks.
 
@@ -16,6 +17,7 @@ import os
 import socket
 import subprocess
 import sys
+import zlib
 
 import _sharding_runs as runs
 import jax
@@ -126,12 +128,16 @@ def test_mask_is_the_documented_function_of_key_step_leaf_block(name, granularit
   key = jax.random.key(1234)
   tx = TRANSFORMS[name](key, granularity=granularity)
   masks = _train_masks(tx, grad_seed=0, steps=3)
-  leaves, _ = jax.tree.flatten(PARAMS)
+  paths_leaves = jax.tree_util.tree_flatten_with_path(PARAMS)[0]
   for t, step_masks in enumerate(masks):
-    for i, (x, z) in enumerate(zip(leaves, jax.tree.leaves(step_masks), strict=True)):
+    zs = jax.tree.leaves(step_masks)
+    for i, ((path, x), z) in enumerate(zip(paths_leaves, zs, strict=True)):
       layout = magma.block_layout(x.shape, granularity)
+      leaf_id = zlib.crc32(jax.tree_util.keystr(path).encode())
       want = jax.random.bernoulli(
-        jax.random.fold_in(jax.random.fold_in(key, t), i), 0.5, layout.block_shape
+        jax.random.fold_in(jax.random.fold_in(key, t), leaf_id),
+        0.5,
+        layout.block_shape,
       )
       np.testing.assert_array_equal(z, np.asarray(want), err_msg=f"step {t} leaf {i}")
 
@@ -155,7 +161,8 @@ def test_stacked_blocks_draw_per_slice_from_the_same_formula():
   tx = magma.skip_update(optax.sgd(0.1), key=key, stack_axes=1)
   masks = _train_masks(tx, grad_seed=0, steps=2, params=params)
   for t, m in enumerate(masks):
+    leaf_id = zlib.crc32(b"['layers']")
     want = jax.random.bernoulli(
-      jax.random.fold_in(jax.random.fold_in(key, t), 0), 0.5, (3,)
+      jax.random.fold_in(jax.random.fold_in(key, t), leaf_id), 0.5, (3,)
     )
     np.testing.assert_array_equal(m["layers"], np.asarray(want))
