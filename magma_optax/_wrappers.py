@@ -7,12 +7,23 @@ returns is masked per block. The effective step is about 0.25x the base's at the
 defaults (p = 0.5 and scores near 0.5), so re-tune the learning rate: the paper's best
 learning rate for Adam+Magma is larger than Adam's.
 
-Momentum for Magma's cosine: the wrapper reads the base optimizer's own first moment
-after its update (``mu`` of Adam / AdamW / Lion / Muon, ``trace`` of SGD with momentum),
-found by name with ``optax.tree_utils.tree_get_all_with_path`` and accepted for a leaf
-only when its shape matches the parameter. Leaves for which the base keeps no momentum
-(RMSProp, plain SGD) get the wrapper's own EMA of the gradient (``momentum_decay``).
-No second momentum buffer is allocated when the base already has one.
+Momentum for Magma's cosine (the contract of ``momentum="auto"``): the wrapper reads
+the base optimizer's own first moment after its update only where that buffer is known
+to be an EMA of the raw gradient, in the gradient's sign:
+
+* a ``mu`` field of a state (Adam, AdamW, AMSGrad, NAdam, RAdam, Lion, AdaBelief,
+  Muon, ...: optax names its first-moment EMAs ``mu``);
+* the ``trace`` of ``optax.trace`` when it comes *first* in its ``optax.chain``, i.e.
+  before the learning-rate scaling (``optax.sgd(lr, momentum=...)``). optax's
+  ``rmsprop(momentum=...)`` and ``lars`` keep their trace *after* the scaling, where
+  it points against the gradient: taking it would invert Magma's score, so there
+  (and for any trace elsewhere in a chain) the buffer is not used;
+
+and only for leaves whose shape matches the parameter. Every other leaf gets the
+wrapper's own EMA of the gradient (``momentum_decay``), never a guessed buffer; no
+second momentum buffer is allocated where the base already has one. To name the
+buffer yourself, pass ``momentum=`` a callable ``inner_state -> pytree like the
+params`` (``optax.MaskedNode`` or ``None`` where there is none).
 """
 
 from __future__ import annotations
@@ -30,8 +41,6 @@ from magma_optax import _masks
 from magma_optax import _schedules
 from magma_optax import _scoping
 
-_MOMENTUM_FIELDS = ("mu", "trace")
-
 
 class MaskedUpdateState(NamedTuple):
   """State of :func:`magma` and :func:`skip_update`.
@@ -46,23 +55,56 @@ class MaskedUpdateState(NamedTuple):
   mask_state: Any
 
 
-def base_momentum(inner_state: Any, like: Any) -> list[Any]:
+def _gradient_emas(state: Any, first_in_chain: bool = True) -> list[Any]:
+  """The buffers of ``state`` that the contract above accepts, outermost first."""
+  found: list[Any] = []
+  if isinstance(state, optax.TraceState):
+    if first_in_chain:
+      found.append(state.trace)
+    return found
+  if isinstance(state, tuple) and hasattr(state, "_fields"):  # a NamedTuple state
+    if "mu" in state._fields:
+      found.append(state.mu)
+    for field in state._fields:
+      found += _gradient_emas(getattr(state, field))
+  elif isinstance(state, (tuple, list)):  # optax.chain: one state per element
+    for i, child in enumerate(state):
+      found += _gradient_emas(child, first_in_chain=i == 0)
+  elif isinstance(state, dict):  # multi_transform groups, hyperparameters
+    for child in state.values():
+      found += _gradient_emas(child)
+  return found
+
+
+def base_momentum(inner_state: Any, like: Any, momentum: Any = "auto") -> list[Any]:
   """Per leaf of ``like``, the base optimizer's first moment, or ``None``.
 
-  Searches the base state for fields named ``mu`` or ``trace`` whose tree has the
-  parameters' structure (``optax.MaskedNode`` allowed, as ``optax.masked`` and
-  ``optax.multi_transform`` leave them); a leaf is taken when its shape matches.
+  ``momentum="auto"``: the buffers the module docstring's contract accepts whose tree
+  has the parameters' structure (``optax.MaskedNode`` allowed, as ``optax.masked``
+  and ``optax.multi_transform`` leave them); a leaf is taken when its shape matches.
+  A callable: the tree it returns for ``inner_state``. ``"own"``: none.
   """
   like_leaves, treedef = jax.tree.flatten(like)
   found: list[Any] = [None] * len(like_leaves)
-  for name in _MOMENTUM_FIELDS:
-    for _, value in optax.tree_utils.tree_get_all_with_path(inner_state, name):
-      leaves = _scoping.per_leaf(treedef, value)
-      if leaves is None:
-        continue
-      for i, (m, x) in enumerate(zip(leaves, like_leaves, strict=True)):
-        if found[i] is None and hasattr(m, "shape") and m.shape == jnp.shape(x):
-          found[i] = m
+  if momentum == "own":
+    return found
+  if callable(momentum):
+    candidates = [momentum(inner_state)]
+  else:
+    candidates = _gradient_emas(inner_state)
+  for value in candidates:
+    leaves = _scoping.per_leaf(treedef, value)
+    if leaves is None:
+      if callable(momentum):
+        raise ValueError(
+          "momentum= returned a tree unlike the parameters; it must map the base"
+          " optimizer's state to a pytree like the params (MaskedNode or None where"
+          " there is no buffer)."
+        )
+      continue
+    for i, (m, x) in enumerate(zip(leaves, like_leaves, strict=True)):
+      if found[i] is None and hasattr(m, "shape") and m.shape == jnp.shape(x):
+        found[i] = m
   return found
 
 
@@ -75,7 +117,7 @@ def magma(
   score_decay: float = 0.9,
   init_score: float = 0.5,
   momentum_decay: float = 0.9,
-  momentum: str = "auto",
+  momentum: Any = "auto",
   granularity: _blocks.Granularity = "tensor",
   stack_axes: int | None = None,
   where: _scoping.Where = None,
@@ -106,8 +148,10 @@ def magma(
     init_score: s_0 in [0, 1] (default 0.5).
     momentum_decay: decay in [0, 1) of the wrapper's own gradient EMA, used only
       for leaves where the base keeps no momentum (or with ``momentum="own"``).
-    momentum: ``"auto"`` (use the base's ``mu`` / ``trace`` when present) or
-      ``"own"`` (always keep a separate EMA).
+    momentum: ``"auto"`` (the base's first moment where the module docstring's
+      contract accepts it, else an own EMA), ``"own"`` (always keep a separate
+      EMA), or a callable ``inner_state -> pytree like the params`` naming the
+      buffer (an own EMA where it gives ``None`` / ``MaskedNode``).
     granularity: block granularity (``"tensor"``, ``"row"``, ``"column"``,
       ``"element"`` or a tile shape such as ``(3, 3)``).
     stack_axes: number of leading axes that index stacked (scanned) layers
@@ -136,8 +180,11 @@ def magma(
     Joo et al., On Surprising Effectiveness of Masking Updates in Adaptive
     Optimizers, arXiv 2602.15322 (2026), Algorithm 1.
   """
-  if momentum not in ("auto", "own"):
-    raise ValueError(f"momentum must be 'auto' or 'own'; got {momentum!r}.")
+  if not callable(momentum) and momentum not in ("auto", "own"):
+    raise ValueError(
+      f"momentum must be 'auto', 'own' or a callable inner_state -> pytree like the"
+      f" params; got {momentum!r}."
+    )
   base = optax.with_extra_args_support(base)
   align = _alignment.make_alignment(
     tau=tau,
@@ -155,16 +202,13 @@ def magma(
 
   def init_fn(params):
     inner = base.init(params)
-    if momentum == "own":
-      own = lambda plan: True
-    else:
-      found = base_momentum(inner, params)
-      own = lambda plan: found[plan.index] is None
+    found = base_momentum(inner, params, momentum)
+    own = lambda plan: found[plan.index] is None
     return MaskedUpdateState(inner, align.init(params, own))
 
   def update_fn(updates, state, params=None, **extra_args):
     deltas, inner = base.update(updates, state.inner_state, params, **extra_args)
-    found = base_momentum(inner, updates) if momentum == "auto" else None
+    found = base_momentum(inner, updates, momentum)
     masked, mask_state = align.step(deltas, updates, found, state.mask_state)
     return masked, MaskedUpdateState(inner, mask_state)
 
