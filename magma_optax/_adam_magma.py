@@ -267,8 +267,7 @@ def adam_magma(
 
         def scale(dot, mu_sq, g_sq, s_prev=old_scores[i], z=masks[i], box=score_box):
           cos = _alignment.cosine_from_sums(dot, mu_sq, g_sq)
-          s = decay * s_prev + (1.0 - decay) * jax.nn.sigmoid(cos * inv_tau)
-          s = s.astype(jnp.float32)
+          s = _alignment.next_score(s_prev, cos, inv_tau, decay)
           box.append(s)
           return s * z
 

@@ -60,7 +60,8 @@ class AlignmentMaskState(NamedTuple):
 def block_cosine(
   layout: _blocks.BlockLayout, a: jax.Array, b: jax.Array, axis_name: Any = None
 ) -> jax.Array:
-  """Per-block cosine of ``a`` and ``b`` in f32; 0 where either block is zero.
+  """Per-block cosine of ``a`` and ``b`` in f32; 0 where either block is zero, NaN
+  where the block holds a non-finite value or its float32 sums overflow.
 
   ``axis_name`` (inside ``shard_map``): the mesh axes over which blocks are split;
   the per-block partial sums are ``psum``-ed over them before the cosine is formed.
@@ -77,10 +78,30 @@ def block_cosine(
 
 
 def cosine_from_sums(dot: jax.Array, aa: jax.Array, bb: jax.Array) -> jax.Array:
-  """cos = <a, b> / (||a|| ||b||) from the block sums; 0 where a norm is 0."""
+  """cos = <a, b> / (||a|| ||b||) from the block sums; 0 where a norm is 0.
+
+  NaN where a sum is not finite: an inf or NaN entry in the block, or float32 sums
+  that overflowed (entries beyond about ``1e19 / sqrt(block size)``). The score
+  update (:func:`next_score`) then keeps the block's previous score.
+  """
+  finite = jnp.isfinite(dot) & jnp.isfinite(aa) & jnp.isfinite(bb)
   norm = jnp.sqrt(aa) * jnp.sqrt(bb)
-  ok = norm > 0
-  return jnp.clip(jnp.where(ok, dot / jnp.where(ok, norm, 1.0), 0.0), -1.0, 1.0)
+  ok = finite & (norm > 0)
+  cos = jnp.clip(jnp.where(ok, dot / jnp.where(ok, norm, 1.0), 0.0), -1.0, 1.0)
+  return jnp.where(finite, cos, jnp.nan)
+
+
+def next_score(
+  prev: jax.Array, cos: jax.Array, inv_tau: jax.Array, score_decay: Any
+) -> jax.Array:
+  """``s_t = d s_{t-1} + (1 - d) sigmoid(cos / tau)`` in f32, per block.
+
+  A block whose cosine is NaN (see :func:`cosine_from_sums`) keeps ``s_{t-1}``: a
+  non-finite gradient or momentum never reaches the score, so the update stays
+  non-finite only where the base optimizer's own update is.
+  """
+  s = score_decay * prev + (1.0 - score_decay) * jax.nn.sigmoid(cos * inv_tau)
+  return jnp.where(jnp.isnan(cos), prev, s).astype(jnp.float32)
 
 
 class _Alignment(NamedTuple):
@@ -190,10 +211,7 @@ def make_alignment(
         mu = mu.astype(own.dtype)
         new_momentum.append(mu)
       cos = block_cosine(p.layout, mu, signal_leaves[i])
-      s = score_decay * score_leaves[i] + (1.0 - score_decay) * jax.nn.sigmoid(
-        cos * inv_tau
-      )
-      s = s.astype(jnp.float32)
+      s = next_score(score_leaves[i], cos, inv_tau, score_decay)
       new_scores.append(s)
       out.append(_masks.scale_blocks(delta, p.layout, s * masks[i]))
     overall, by_label = _masks.active_fractions(plans, masks)

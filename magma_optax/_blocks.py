@@ -104,6 +104,12 @@ class BlockLayout:
     """Sums a leaf-shaped array within each block; returns ``block_shape``."""
     return jnp.sum(x.reshape(self.expanded_shape), axis=self.reduce_axes)
 
+  def block_max_abs(self, x: jax.Array) -> jax.Array:
+    """Largest ``|x|`` within each block (0 for empty blocks); ``block_shape``."""
+    return jnp.max(
+      jnp.abs(x).reshape(self.expanded_shape), axis=self.reduce_axes, initial=0
+    )
+
   def to_leaf(self, values: jax.Array) -> jax.Array:
     """Broadcasts per-block values back to the leaf's shape."""
     keep = tuple(

@@ -1,12 +1,15 @@
 """Norm damping of updates per block: ``u_b <- u_b / (1 + c * ||u_b||)``.
 
 Large block updates are shrunk, small ones pass almost unchanged; the update norm of a
-block is bounded by ``1 / c``. Norms are computed in float32; the output keeps the
-update's dtype. Stateless.
+block is bounded by ``1 / c``. Norms are computed in float32 after dividing the block
+by its largest magnitude, so they cannot overflow for finite updates (a block of
+1e20s is damped, not zeroed); a block holding an inf is zeroed except for that entry.
+The output keeps the update's dtype. Stateless.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -14,6 +17,15 @@ from magma_optax import _blocks
 from magma_optax import _masks
 from magma_optax import _schedules
 from magma_optax import _scoping
+
+
+def _safe_block_norm(layout: _blocks.BlockLayout, u: jax.Array) -> jax.Array:
+  """||u_b||_2 per block in f32, as ``m ||u_b / m||`` with ``m = max |u_b|``."""
+  a = jnp.abs(u.astype(jnp.float32))
+  m = layout.block_max_abs(a)
+  safe = jnp.where((m > 0) & jnp.isfinite(m), m, 1.0)
+  norm = safe * jnp.sqrt(layout.block_sum(jnp.square(a / layout.to_leaf(safe))))
+  return jnp.where(jnp.isfinite(m), norm, m)  # inf (or NaN) blocks: inf (NaN)
 
 
 def damping(
@@ -42,6 +54,12 @@ def damping(
     >>> params = {"w": jnp.ones((3, 4))}
     >>> updates, _ = tx.update({"w": jnp.ones((3, 4))}, tx.init(params), params)
   """
+  if _schedules.is_schedule(coefficient):
+    raise ValueError(
+      "damping is stateless and takes a float coefficient, not a schedule; got"
+      f" {coefficient!r}. Wrap it in optax.inject_hyperparams to change it over"
+      " time."
+    )
   _schedules.check_range(
     "coefficient", coefficient, 0.0, float("inf"), low_open=False, high_open=True
   )
@@ -62,9 +80,10 @@ def damping(
       if plan.layout is None:
         out.append(u)
         continue
-      u32 = u.astype(jnp.float32)
-      norm = jnp.sqrt(plan.layout.block_sum(u32 * u32))
-      out.append(_masks.scale_blocks(u, plan.layout, 1.0 / (1.0 + coefficient * norm)))
+      norm = _safe_block_norm(plan.layout, u)
+      # c = 0 is the identity even for an inf block (0 * inf would give NaN).
+      scale = jnp.where(coefficient == 0, 1.0, 1.0 / (1.0 + coefficient * norm))
+      out.append(_masks.scale_blocks(u, plan.layout, scale))
     return treedef.unflatten(out), state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

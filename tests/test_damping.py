@@ -51,3 +51,26 @@ def test_damping_in_a_chain_after_adam():
 def test_bad_coefficient():
   with pytest.raises(ValueError, match="coefficient"):
     magma.damping(-1.0)
+
+
+def test_huge_and_infinite_updates():
+  """Finite 1e20 blocks are damped by their true norm (no float32 overflow to 0 or
+  NaN); an inf poisons only its own entry; c = 0 is the identity even then."""
+  u = jnp.full((3, 4), 1e20)
+  out, _ = magma.damping(0.1).update({"w": u}, optax.EmptyState())
+  np.testing.assert_allclose(out["w"], 1e20 / (1 + 0.1 * np.sqrt(12) * 1e20), 1e-6)
+  out, _ = magma.damping(0.0).update({"w": u}, optax.EmptyState())
+  np.testing.assert_array_equal(out["w"], u)
+  v = jnp.ones((3, 4)).at[0, 0].set(jnp.inf)
+  out, _ = magma.damping(0.0).update({"w": v}, optax.EmptyState())
+  np.testing.assert_array_equal(out["w"], v)
+  out, _ = magma.damping(0.1, granularity="row").update({"w": v}, optax.EmptyState())
+  w = np.asarray(out["w"])
+  assert np.isfinite(w).sum() == 11  # only the inf entry is not finite
+  np.testing.assert_array_equal(w[0, 1:], 0.0)  # 1 / (1 + c * inf)
+  np.testing.assert_allclose(w[1:], 1 / (1 + 0.1 * 2.0), rtol=1e-6)
+
+
+def test_schedule_coefficient_is_refused_at_construction():
+  with pytest.raises(ValueError, match="not a schedule"):
+    magma.damping(optax.linear_schedule(0.0, 1.0, 10))
