@@ -99,7 +99,14 @@ def scale_blocks(update: jax.Array, layout: _blocks.BlockLayout, scale: jax.Arra
 def active_fractions(
   plans: list[_scoping.LeafPlan], masks: list[Any]
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Fraction of masked-scope entries whose update was kept: overall and per label."""
+  """Fraction of masked-scope entries whose update was kept: overall and per label.
+
+  For a tree without leaves the per-label entry is a scalar leaf, not ``{}``: that is
+  what ``init`` sees from ``optax.tree.map_params``' placeholder, and a leaf there is
+  a prefix of any real state's label dict (an empty dict would not be).
+  """
+  if not plans:
+    return jnp.zeros([], jnp.float32), jnp.zeros([], jnp.float32)
   kept: dict[str, Any] = {}
   total: dict[str, int] = {}
   for plan, z in zip(plans, masks, strict=True):

@@ -206,7 +206,7 @@ def plan_leaves(
   by_label = isinstance(keep_prob, Mapping)
   if by_label:
     unknown = set(keep_prob) - set(label_list)
-    if unknown:
+    if unknown and leaves:  # no leaves: optax.tree.map_params' placeholder
       raise ValueError(
         f"keep_prob names labels {sorted(unknown)} that match no parameter; the"
         f" labels present are {sorted(set(label_list))}."
