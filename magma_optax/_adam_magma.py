@@ -60,6 +60,20 @@ class AdamMagmaState(NamedTuple):
   mask_state: _alignment.AlignmentMaskState
 
 
+def _check_real(tree: Any) -> None:
+  """The fused kernel is real-valued: complex leaves are an error, not a real update."""
+  paths = [
+    jax.tree_util.keystr(path)
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+    if jnp.iscomplexobj(x)
+  ]
+  if paths:
+    raise ValueError(
+      f"adam_magma does not support complex parameters (at {paths}); use"
+      " magma.magma(optax.adam(...)), whose base Adam handles complex leaves."
+    )
+
+
 def _static_float(name: str, value: Any, valid: str) -> float:
   """A Python float from ``value``; traced values cannot be kernel constants."""
   if _compat.is_tracer(value):
@@ -215,6 +229,7 @@ def adam_magma(
   keep_prob = _scoping.validate_keep_prob(keep_prob)
 
   def init_fn(params):
+    _check_real(params)
     mask_state = align.init(params, lambda plan: False)
     return AdamMagmaState(
       count=jnp.zeros([], jnp.int32),
@@ -226,6 +241,7 @@ def adam_magma(
 
   def update_fn(updates, state, params=None, *, param_mask=None, **extra_args):
     del extra_args
+    _check_real(updates)
     if has_decay and params is None:
       raise ValueError(
         "adam_magma with weight_decay needs the params: call update(grads,"

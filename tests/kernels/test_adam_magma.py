@@ -223,3 +223,19 @@ def test_inject_hyperparams(params):
   traced_b1 = optax.inject_hyperparams(magma.adam_magma)(learning_rate=1e-2)
   with pytest.raises(ValueError, match="static_args"):
     jax.jit(traced_b1.update)(params, traced_b1.init(params), params)
+
+
+def test_complex_parameters_are_a_clear_error_not_a_real_update():
+  params = {"w": jnp.ones((2, 3), jnp.complex64), "r": jnp.ones(3)}
+  grads = {"w": (1 + 2j) * jnp.ones((2, 3), jnp.complex64), "r": jnp.ones(3)}
+  tx = magma.adam_magma(1e-2)
+  with pytest.raises(ValueError, match="does not support complex"):
+    tx.init(params)
+  real_state = tx.init({"w": jnp.ones((2, 3)), "r": jnp.ones(3)})
+  with pytest.raises(ValueError, match=r"complex parameters \(at \[\"\['w'\]\"\]\)"):
+    tx.update(grads, real_state, params)
+  # The wrapper leaves complex leaves to the base (never masked): plain Adam there.
+  wrapped = magma.magma(optax.adam(1e-2))
+  u, _ = wrapped.update(grads, wrapped.init(params), params)
+  want, _ = optax.adam(1e-2).update(grads, optax.adam(1e-2).init(params))
+  np.testing.assert_allclose(u["w"], want["w"], rtol=1e-6)
