@@ -144,7 +144,15 @@ def make_alignment(
   granularity = _blocks.validate_granularity(granularity)
   stack_axes = _blocks.validate_stack_axes(stack_axes)
   if momentum_dtype is not None:
-    momentum_dtype = jnp.dtype(momentum_dtype)
+    try:
+      momentum_dtype = jnp.dtype(momentum_dtype)
+    except TypeError as e:
+      raise ValueError(f"momentum_dtype must be a float dtype; {e}") from None
+    if not jnp.issubdtype(momentum_dtype, jnp.floating):
+      raise ValueError(
+        f"momentum_dtype must be a floating dtype (e.g. jnp.float32 or"
+        f" jnp.bfloat16); got {momentum_dtype}."
+      )
 
   plan = functools.partial(
     _scoping.plan_leaves,

@@ -76,10 +76,7 @@ def draw_block_masks(
   for shape, members in groups.items():
     ids = jnp.asarray([plans[i].path_id for i in members], jnp.uint32)
     p = jnp.stack(
-      [
-        jnp.asarray(_schedules.evaluate(plans[i].keep_prob, count), jnp.float32)
-        for i in members
-      ]
+      [_schedules.evaluate_fraction(plans[i].keep_prob, count) for i in members]
     )
     keys = jax.vmap(leaf_key, in_axes=(None, None, 0))(key, count, ids)
     z = jax.vmap(lambda k, q, shape=shape: jax.random.bernoulli(k, q, shape))(keys, p)
@@ -179,7 +176,9 @@ def bernoulli_mask(
   Args:
     keep_prob: probability p in (0, 1] of keeping a block; a float, an
       ``optax.Schedule`` of the step count, or a mapping label -> float/schedule
-      (labels from ``labels``; leaves whose label is absent are not masked).
+      (labels from ``labels``; leaves whose label is absent are not masked). A
+      schedule is checked at step 0 and clipped to [0, 1] at every step; at p = 0
+      no block is kept (the update is 0, not 0/0).
     key: PRNG key (int or ``jax.random.key``); keyword-only, default 0. Pass your
       own for independent runs. Draws depend only on (key, step, leaf path,
       block).
@@ -254,7 +253,8 @@ def bernoulli_mask(
         continue
       scale = z.astype(jnp.float32)
       if rescale:
-        scale = scale / _schedules.evaluate(plan_.keep_prob, state.count)
+        p = _schedules.evaluate_fraction(plan_.keep_prob, state.count)
+        scale = jnp.where(p > 0, scale / jnp.where(p > 0, p, 1.0), 0.0)  # p=0: none
       out.append(scale_blocks(u, plan_.layout, scale))
     overall, by_label = active_fractions(plans, masks)
     new_state = BernoulliMaskState(

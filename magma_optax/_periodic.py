@@ -759,7 +759,12 @@ def periodic_mask(
     )
 
   def new_masks(plans, params, grads, old, target):
-    idx = [i for i, p in enumerate(plans) if p.layout is not None]
+    # Zero-size leaves have nothing to rank: their (empty) masks stay as they are.
+    idx = [
+      i
+      for i, p in enumerate(plans)
+      if p.layout is not None and math.prod(p.layout.shape) > 0
+    ]
     scores = {i: _scores(importance, params[i], grads[i]) for i in idx}
     out = list(old)
     if structure is not None:
@@ -792,7 +797,7 @@ def periodic_mask(
     is_refresh = (count >= start) & ((count - start) % every == 0)
     if end is not None:
       is_refresh = is_refresh & (count <= end)
-    target = _schedules.evaluate(sparsity, count)
+    target = _schedules.evaluate_fraction(sparsity, count)
 
     scoped = [i for i, p in enumerate(plans) if p.layout is not None]
     total = max(sum(old[i].size for i in scoped), 1)

@@ -31,10 +31,23 @@ def evaluate(value: ScalarOrSchedule, count: jax.Array) -> jax.Array:
   return jnp.asarray(value, dtype=jnp.float32)
 
 
+def evaluate_fraction(value: ScalarOrSchedule, count: jax.Array) -> jax.Array:
+  """:func:`evaluate` clipped to [0, 1]: a probability or a sparsity.
+
+  Construction checks a schedule only at step 0; a schedule that later leaves the
+  range is clipped here (documented rule), never turned into a NaN mask scale or a
+  sparsity above 1.
+  """
+  return jnp.clip(evaluate(value, count), 0.0, 1.0)
+
+
 def _concrete(value: Any) -> float | None:
   """A Python float for a concrete scalar, ``None`` for a traced one."""
   if _compat.is_tracer(value):
     return None
+  is_bool_array = jnp.dtype(getattr(value, "dtype", "f4")) == jnp.bool_
+  if isinstance(value, (bool, str, bytes)) or is_bool_array:
+    raise ValueError(f"expected a number, got {value!r}")  # float() would take them
   try:
     return float(value)
   except (TypeError, ValueError) as e:

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import optax
 
 from magma_optax import _blocks
+from magma_optax import _compat
 from magma_optax import _schedules
 
 KeyPath = tuple[Any, ...]
@@ -169,6 +170,20 @@ def _per_leaf(spec: Any, paths_leaves, treedef, name: str) -> list[Any]:
   return list(values)
 
 
+def _as_bool(value: Any, path: KeyPath) -> bool:
+  """A ``where`` entry as a bool; anything but a boolean is an error, so that a
+  string such as ``"no"`` or a number cannot silently count as True."""
+  if isinstance(value, bool):
+    return value
+  is_bool_array = jnp.dtype(getattr(value, "dtype", "f4")) == jnp.bool_
+  if is_bool_array and jnp.size(value) == 1 and not _compat.is_tracer(value):
+    return bool(value)
+  raise ValueError(
+    f"where must give a bool per leaf (True: masked, False: not); got {value!r} at"
+    f" {jax.tree_util.keystr(path)}."
+  )
+
+
 def validate_keep_prob(keep_prob: Any) -> Any:
   """Checks a keep probability, or a mapping label -> keep probability."""
   if isinstance(keep_prob, Mapping):
@@ -199,7 +214,12 @@ def plan_leaves(
   if where is None:
     scoped = [True] * len(leaves)
   else:
-    scoped = [bool(s) for s in _per_leaf(where, paths_leaves, treedef, "where")]
+    scoped = [
+      _as_bool(s, path)
+      for s, (path, _) in zip(
+        _per_leaf(where, paths_leaves, treedef, "where"), paths_leaves, strict=True
+      )
+    ]
   label_list = _per_leaf(
     transformer_labels if labels is None else labels, paths_leaves, treedef, "labels"
   )

@@ -202,3 +202,35 @@ def test_inject_hyperparams_over_the_factories():
   np.testing.assert_allclose(
     magma.mask_stats(state)["scores"]["w"], expected, rtol=1e-6
   )
+
+
+def test_schedules_leaving_the_range_are_clipped_not_nan():
+  # Valid at step 0, below 0 from step 2 on: clipped to p = 0 (nothing kept, no 0/0).
+  schedule = optax.linear_schedule(1.0, -1.0, 4)
+  params = {"w": jnp.zeros((8,))}
+  for tx in (
+    magma.bernoulli_mask(schedule, granularity="element"),
+    magma.alignment_mask(keep_prob=schedule, granularity="element"),
+  ):
+    masks, updates = _masks_over_steps(tx, params, 5)
+    u = np.asarray(updates["w"])
+    assert np.all(np.isfinite(u))
+    np.testing.assert_array_equal(u[2:], 0.0)
+    assert np.asarray(masks["w"])[0].all()  # p = 1 at step 0
+
+
+def test_bad_hyperparameter_types_are_refused():
+  for bad in ("0.5", True, np.bool_(True)):
+    with pytest.raises(ValueError, match="keep_prob must be a float"):
+      magma.bernoulli_mask(bad)
+  with pytest.raises(ValueError, match="tau must be a float"):
+    magma.alignment_mask(tau="2")
+  with pytest.raises(ValueError, match="momentum_dtype must be a floating dtype"):
+    magma.magma(optax.adam(1e-3), momentum_dtype="int8")
+  params = {"a": jnp.ones(3), "b": jnp.ones(3)}
+  for where in ({"a": "no", "b": True}, {"a": 0, "b": 1}):
+    with pytest.raises(ValueError, match=r"where must give a bool per leaf.*\['a'\]"):
+      magma.bernoulli_mask(0.5, where=where).init(params)
+  tx = magma.bernoulli_mask(0.5, where={"a": np.bool_(False), "b": jnp.asarray(True)})
+  state = tx.init(params)  # numpy / jax booleans are fine
+  assert isinstance(state.mask["a"], optax.MaskedNode)

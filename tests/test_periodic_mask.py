@@ -507,3 +507,23 @@ def test_inject_hyperparams_needs_static_ints_and_says_so():
   # The injected sparsity is used: half of the 8 weights are pruned.
   pruned = optax.apply_updates(params, updates)["w"]
   assert int(jnp.sum(pruned == 0)) == 4
+
+
+def test_sparsity_schedule_beyond_one_is_clipped():
+  params = {"w": jnp.arange(1.0, 17.0).reshape(4, 4)}
+  tx = magma.periodic_mask(optax.sgd(0.0), sparsity=lambda c: 0.5 + c, every=1)
+  state, step = tx.init(params), jax.jit(tx.update)
+  for _ in range(3):
+    _, state = step(params, state, params)
+  assert float(state.target_sparsity) == 1.0  # 2.5 clipped
+  assert float(state.sparsity) == 1.0
+
+
+@pytest.mark.parametrize("ranking", ["per_leaf", "global"])
+def test_zero_size_leaves(ranking):
+  params = {"e": jnp.zeros((0, 4)), "w": jnp.arange(1.0, 17.0).reshape(4, 4)}
+  inner = magma.sparse_state(optax.adam(1e-2), mode="compact", density=0.5)
+  tx = magma.periodic_mask(inner, sparsity=0.5, every=1, ranking=ranking)
+  u, state = jax.jit(tx.update)(params, tx.init(params), params)
+  assert u["e"].shape == (0, 4)
+  assert int(np.sum(np.asarray(state.mask["w"]))) == 8
