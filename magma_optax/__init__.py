@@ -12,6 +12,8 @@ from magma_optax._alignment import alignment_mask
 from magma_optax._blocks import BlockLayout
 from magma_optax._blocks import block_layout
 from magma_optax._damping import damping
+from magma_optax._labels import attention_mlp_weights
+from magma_optax._labels import transformer_labels
 from magma_optax._masked_decay import MaskedWeightDecayState
 from magma_optax._masked_decay import masked_weight_decay
 from magma_optax._masks import BernoulliMaskState
@@ -20,8 +22,6 @@ from magma_optax._periodic import PeriodicMaskState
 from magma_optax._periodic import linear_sparsity_schedule
 from magma_optax._periodic import periodic_mask
 from magma_optax._periodic import polynomial_sparsity_schedule
-from magma_optax._scoping import attention_mlp_weights
-from magma_optax._scoping import transformer_labels
 from magma_optax._sparse_state import SparseState
 from magma_optax._sparse_state import host_offload_available
 from magma_optax._sparse_state import offload_sparse_state

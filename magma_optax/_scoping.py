@@ -15,11 +15,12 @@ dtype), so predicates should look at those only. Integer and other non-float lea
 are never masked; they pass through unchanged.
 
 Labels group leaves for per-label keep probabilities and for logging:
-:func:`transformer_labels` names a leaf ``"attention"``, ``"mlp"`` or ``"other"`` from
-the usual Flax / Hugging Face module names. Passing ``keep_prob={"attention": 0.6,
-"mlp": 0.8, "other": 0.9}`` gives each label its own probability; leaves whose label is
-absent from the mapping are not masked, and a label that matches no leaf is an error
-(a typo must not silently turn masking off).
+:func:`transformer_labels` (:mod:`magma_optax._labels`) names a leaf ``"attention"``,
+``"mlp"`` or ``"other"`` from the usual Flax / Hugging Face / MaxText module names.
+Passing ``keep_prob={"attention": 0.6, "mlp": 0.8, "other": 0.9}`` gives each label
+its own probability; leaves whose label is absent from the mapping are not masked,
+and a label that matches no leaf is an error (a typo must not silently turn masking
+off).
 """
 
 from __future__ import annotations
@@ -36,95 +37,12 @@ import optax
 
 from magma_optax import _blocks
 from magma_optax import _compat
+from magma_optax import _labels
 from magma_optax import _schedules
 
 KeyPath = tuple[Any, ...]
 Where = Callable[[KeyPath, Any], bool] | Any | None
 Labels = Callable[[KeyPath, Any], str] | Any | None
-
-# Module names, lower-cased. Whole path components are matched against the short
-# names; the long ones may appear inside a component (``SelfAttention_0``).
-_OTHER_SUBSTRINGS = ("norm", "embed", "lm_head", "wte", "wpe", "ln_")
-_OTHER_NAMES = ("head", "ln", "ln1", "ln2", "ln_f", "scale", "bias")
-_ATTENTION_SUBSTRINGS = ("attn", "attention")
-_ATTENTION_NAMES = (
-    "q", "k", "v", "o", "wq", "wk", "wv", "wo", "qkv", "query", "key", "value",
-    "q_proj", "k_proj", "v_proj", "o_proj", "out_proj", "c_attn",
-)  # fmt: skip
-_MLP_SUBSTRINGS = ("mlp", "ffn", "feed_forward", "feedforward")
-_MLP_NAMES = (
-    "fc1", "fc2", "w1", "w2", "w3", "wi", "wi_0", "wi_1", "gate", "up", "down",
-    "gate_proj", "up_proj", "down_proj", "c_fc", "dense_h_to_4h", "dense_4h_to_h",
-)  # fmt: skip
-
-
-def path_names(path: KeyPath) -> tuple[str, ...]:
-  """The names along a key path, lower-cased (``DictKey``, attribute, index...)."""
-  names = []
-  for entry in path:
-    for attr in ("key", "name", "idx"):
-      if hasattr(entry, attr):
-        names.append(str(getattr(entry, attr)).lower())
-        break
-    else:
-      names.append(str(entry).lower())
-  return tuple(names)
-
-
-def transformer_labels(path: KeyPath, leaf: Any = None) -> str:
-  """Labels a transformer parameter ``"attention"``, ``"mlp"`` or ``"other"`` by path.
-
-  The label is decided by module names along the path: an attention module
-  (``attn``, ``attention``, ``q_proj``, ``query``, ``wq``, ...) gives
-  ``"attention"``; an MLP (``mlp``, ``ffn``, ``gate_proj``, ``fc1``, ``w1``, ...)
-  gives ``"mlp"``; norms, embeddings and the output head, wherever they sit, and
-  everything else give ``"other"``. The leaf is not inspected.
-
-  Args:
-    path: a JAX key path, as from ``jax.tree_util.tree_flatten_with_path``.
-    leaf: unused; accepted so the function works as a ``labels=`` callable.
-
-  Returns:
-    ``"attention"``, ``"mlp"`` or ``"other"``.
-
-  Example:
-    >>> import jax, jax.numpy as jnp
-    >>> import magma_optax as magma
-    >>> params = {"layer_0": {"attn": {"q_proj": {"kernel": jnp.ones((4, 4))}},
-    ...                       "mlp": {"up_proj": {"kernel": jnp.ones((4, 8))}}},
-    ...           "embed": {"embedding": jnp.ones((10, 4))}}
-    >>> jax.tree_util.tree_map_with_path(magma.transformer_labels, params)
-    {'embed': {'embedding': 'other'}, 'layer_0': {'attn': {'q_proj': {'kernel': 'attention'}}, 'mlp': {'up_proj': {'kernel': 'mlp'}}}}
-  """  # noqa: E501
-  del leaf
-  names = path_names(path)
-  if any(s in n for n in names for s in _OTHER_SUBSTRINGS):
-    return "other"
-  if any(n in _OTHER_NAMES for n in names[:-1]):
-    return "other"
-  if any(s in n for n in names for s in _ATTENTION_SUBSTRINGS) or any(
-    n in _ATTENTION_NAMES for n in names[:-1]
-  ):
-    return "attention"
-  if any(s in n for n in names for s in _MLP_SUBSTRINGS) or any(
-    n in _MLP_NAMES for n in names[:-1]
-  ):
-    return "mlp"
-  return "other"
-
-
-def attention_mlp_weights(path: KeyPath, leaf: Any) -> bool:
-  """The paper's scope: matrices (rank >= 2) of attention and MLP modules.
-
-  Use as ``where=magma.attention_mlp_weights``. Biases, norms, embeddings and the
-  output head take the plain base update, as in arXiv 2602.15322 (Sec. 5).
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> import optax, magma_optax as magma
-    >>> tx = magma.magma(optax.adam(1e-3), where=magma.attention_mlp_weights)
-  """
-  return jnp.ndim(leaf) >= 2 and transformer_labels(path) in ("attention", "mlp")
 
 
 def path_id(path: KeyPath) -> int:
@@ -221,7 +139,10 @@ def plan_leaves(
       )
     ]
   label_list = _per_leaf(
-    transformer_labels if labels is None else labels, paths_leaves, treedef, "labels"
+    _labels.transformer_labels if labels is None else labels,
+    paths_leaves,
+    treedef,
+    "labels",
   )
   by_label = isinstance(keep_prob, Mapping)
   if by_label:

@@ -19,6 +19,7 @@ MODULES = sorted(
 NO_EXAMPLES = {
   "magma_optax._compat",
   "magma_optax._schedules",
+  "magma_optax._scoping",
   "magma_optax.flax",
   "magma_optax.kernels",
   "magma_optax.kernels.config",

@@ -1,0 +1,176 @@
+"""Labels from parameter paths: which leaves are attention, MLP, or something else.
+
+The paper applies Magma to the attention and MLP matrices of a transformer only;
+embeddings, the output head, norms and biases take the plain base update (arXiv
+2602.15322, Sec. 5). :func:`transformer_labels` reads that from the names along a
+leaf's key path, as the model code our users run writes them:
+
+* Flax Linen and NNX built-ins (``MultiHeadDotProductAttention_0/query``,
+  ``nnx.MultiHeadAttention`` attributes, ``LayerNorm_0``, ``Embed``), and the flax
+  examples' ``MlpBlock_0``;
+* Hugging Face Flax models: GPT-2 (``h/0/attn/c_attn``, ``mlp/c_fc``), LLaMA
+  (``self_attn/q_proj``, ``mlp/gate_proj``), BERT (``attention/self/query``,
+  ``intermediate/dense``, ``output/dense``), T5 (``SelfAttention/q``,
+  ``DenseReluDense/wi``);
+* MaxText / Gemma (``self_attention/query``, ``attn/q_einsum``, ``mlp/wi_0``,
+  ``mlp/gating_einsum``); MoE expert stacks (``MoeBlock_0/wi_0``,
+  ``block_sparse_moe/experts``), whose router (``gate``, ``router``) is "other".
+
+Rules, in order (names lower-cased; NNX's trailing ``.value`` is dropped, so Linen
+and NNX give the same labels):
+
+1. the leaf's own name is a bias, scale or embedding (``bias``, ``b``, ``scale``,
+   ``embedding``, ...), or a module on the path is a norm, an embedding, the output
+   head or a MoE router: ``"other"``, whatever the leaf's rank;
+2. a module on the path is an attention block (``attn``, ``attention``, ``mha``):
+   ``"attention"``;
+3. a module is an MLP block (``mlp``, ``ffn``, ``feed_forward``, ``DenseReluDense``,
+   BERT's ``intermediate`` / layer ``output``, MoE experts): ``"mlp"``;
+4. a projection name without a known block (``q_proj``, ``query``, ``wq``, ... /
+   ``gate_proj``, ``fc1``, ``wi``, ...): its kind;
+5. anything else: ``"other"``, and *unrecognised* when it is a matrix (rank >= 2)
+   that no rule explained (:func:`magma_optax.scope_report` shows it; ``init`` of a
+   transform scoped by these labels warns about it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+KeyPath = tuple[Any, ...]
+
+# Leaf names that are never a weight matrix of the paper's scope.
+_OTHER_LEAVES = frozenset({
+  "bias", "b", "scale", "gamma", "beta", "embedding", "embeddings",
+  "input_embedding", "pos_embedding", "position_embedding",
+})  # fmt: skip
+_NORM_OR_EMBED_SUBSTRINGS = ("norm", "embed", "lm_head", "logits", "pooler")
+_OTHER_MODULES = frozenset({
+  "head", "ln", "ln1", "ln2", "ln_1", "ln_2", "ln_f", "wte", "wpe", "classifier",
+  "router", "score",
+})  # fmt: skip
+_ATTENTION_BLOCKS = ("attn", "attention", "mha")
+_MLP_BLOCKS = (
+  "mlp", "ffn", "ffw", "feed_forward", "feedforward", "densereludense",
+  "intermediate", "moe", "experts",
+)  # fmt: skip
+_ATTENTION_PROJECTIONS = frozenset({
+  "q_proj", "k_proj", "v_proj", "o_proj", "out_proj", "qkv", "qkv_proj", "c_attn",
+  "query", "key", "value", "wq", "wk", "wv", "q_einsum", "kv_einsum",
+  "qkv_einsum", "attn_vec_einsum",
+})  # fmt: skip
+_MLP_PROJECTIONS = frozenset({
+  "fc1", "fc2", "c_fc", "w1", "w2", "w3", "wi", "wi_0", "wi_1", "gate_proj",
+  "up_proj", "down_proj", "dense_h_to_4h", "dense_4h_to_h", "gating_einsum",
+})  # fmt: skip
+
+
+def path_names(path: KeyPath) -> tuple[str, ...]:
+  """The names along a key path, lower-cased; a trailing NNX ``.value`` is dropped."""
+  names = []
+  for entry in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(entry, attr):
+        names.append(str(getattr(entry, attr)).lower())
+        break
+    else:
+      names.append(str(entry).lower())
+  # nnx.State leaves are Variables: their paths end in the attribute ``.value``
+  # (a GetAttrKey), which is not a module -- unlike a DictKey "value" projection.
+  if (
+    path
+    and isinstance(path[-1], jax.tree_util.GetAttrKey)
+    and names[-1]
+    in (
+      "value",
+      "raw_value",
+    )
+  ):
+    names.pop()
+  return tuple(names)
+
+
+def _is_norm_embed_or_head(name: str) -> bool:
+  return (
+    any(s in name for s in _NORM_OR_EMBED_SUBSTRINGS)
+    or name in _OTHER_MODULES
+    or name.endswith("_ln")
+  )
+
+
+def classify(path: KeyPath, leaf: Any = None) -> tuple[str, bool]:
+  """``(label, recognised)`` of a leaf by the rules in the module docstring.
+
+  ``recognised`` is False only for matrices (rank >= 2, when ``leaf`` is given)
+  that no rule explained: candidates for a ``where=`` / ``labels=`` the user
+  should pass explicitly.
+  """
+  names = path_names(path)
+  if not names:
+    return "other", True
+  *modules, leaf_name = names
+  if leaf_name in _OTHER_LEAVES or any(map(_is_norm_embed_or_head, modules)):
+    return "other", True
+  for parent, name in zip(modules, modules[1:], strict=False):
+    if name == "gate" and "moe" in parent:  # a MoE router
+      return "other", True
+  if any(b in m for m in modules for b in _ATTENTION_BLOCKS):
+    return "attention", True
+  bert_mlp_output = any(
+    m == "output" and nxt == "dense" for m, nxt in zip(modules, names[1:], strict=False)
+  )
+  if any(b in m for m in modules for b in _MLP_BLOCKS) or bert_mlp_output:
+    return "mlp", True
+  if any(m in _ATTENTION_PROJECTIONS for m in modules):
+    return "attention", True
+  if any(m in _MLP_PROJECTIONS for m in modules):
+    return "mlp", True
+  return "other", leaf is None or jnp.ndim(leaf) < 2
+
+
+def transformer_labels(path: KeyPath, leaf: Any = None) -> str:
+  """Labels a transformer parameter ``"attention"``, ``"mlp"`` or ``"other"`` by path.
+
+  Decided by the leaf's name and the module names along its path (module
+  docstring): an attention block or projection gives ``"attention"``, an MLP block
+  or projection ``"mlp"``; biases, norms, embeddings, the output head, MoE routers
+  and everything else ``"other"``. The leaf's value and rank are not used.
+
+  Args:
+    path: a JAX key path, as from ``jax.tree_util.tree_flatten_with_path``.
+    leaf: unused; accepted so the function works as a ``labels=`` callable.
+
+  Returns:
+    ``"attention"``, ``"mlp"`` or ``"other"``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import magma_optax as magma
+    >>> params = {"layer_0": {"attn": {"q_proj": {"kernel": jnp.ones((4, 4)),
+    ...                                           "bias": jnp.ones((4,))}},
+    ...                       "mlp": {"up_proj": {"kernel": jnp.ones((4, 8))}}},
+    ...           "embed": {"embedding": jnp.ones((10, 4))}}
+    >>> jax.tree_util.tree_map_with_path(magma.transformer_labels, params)
+    {'embed': {'embedding': 'other'}, 'layer_0': {'attn': {'q_proj': {'bias': 'other', 'kernel': 'attention'}}, 'mlp': {'up_proj': {'kernel': 'mlp'}}}}
+  """  # noqa: E501
+  del leaf
+  return classify(path)[0]
+
+
+def attention_mlp_weights(path: KeyPath, leaf: Any) -> bool:
+  """The paper's scope: the attention and MLP matrices (rank >= 2) of a transformer.
+
+  Use as ``where=magma.attention_mlp_weights``. Biases, norms, embeddings and the
+  output head are out of scope by name, whatever their rank, and take the plain
+  base update, as in arXiv 2602.15322 (Sec. 5). See
+  :func:`magma_optax.scope_report` for what it selects in your model.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import optax, magma_optax as magma
+    >>> tx = magma.magma(optax.adam(1e-3), where=magma.attention_mlp_weights)
+  """
+  return jnp.ndim(leaf) >= 2 and transformer_labels(path) in ("attention", "mlp")
