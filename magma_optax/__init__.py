@@ -22,6 +22,9 @@ from magma_optax._periodic import PeriodicMaskState
 from magma_optax._periodic import linear_sparsity_schedule
 from magma_optax._periodic import periodic_mask
 from magma_optax._periodic import polynomial_sparsity_schedule
+from magma_optax._scope_report import ScopeReport
+from magma_optax._scope_report import ScopeRow
+from magma_optax._scope_report import scope_report
 from magma_optax._sparse_state import SparseState
 from magma_optax._sparse_state import host_offload_available
 from magma_optax._sparse_state import offload_sparse_state
@@ -41,6 +44,8 @@ __all__ = (
   "MaskedUpdateState",
   "MaskedWeightDecayState",
   "PeriodicMaskState",
+  "ScopeReport",
+  "ScopeRow",
   "SparseState",
   "adam_magma",
   "alignment_mask",
@@ -56,6 +61,7 @@ __all__ = (
   "offload_sparse_state",
   "periodic_mask",
   "polynomial_sparsity_schedule",
+  "scope_report",
   "sharding",
   "skip_update",
   "sparse_state",

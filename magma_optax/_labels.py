@@ -35,6 +35,9 @@ and NNX give the same labels):
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
 from typing import Any
 
 import jax
@@ -62,6 +65,7 @@ _ATTENTION_PROJECTIONS = frozenset({
   "query", "key", "value", "wq", "wk", "wv", "q_einsum", "kv_einsum",
   "qkv_einsum", "attn_vec_einsum",
 })  # fmt: skip
+_WARNED: set[tuple[str, ...]] = set()
 _MLP_PROJECTIONS = frozenset({
   "fc1", "fc2", "c_fc", "w1", "w2", "w3", "wi", "wi_0", "wi_1", "gate_proj",
   "up_proj", "down_proj", "dense_h_to_4h", "dense_4h_to_h", "gating_einsum",
@@ -174,3 +178,48 @@ def attention_mlp_weights(path: KeyPath, leaf: Any) -> bool:
     >>> tx = magma.magma(optax.adam(1e-3), where=magma.attention_mlp_weights)
   """
   return jnp.ndim(leaf) >= 2 and transformer_labels(path) in ("attention", "mlp")
+
+
+def warn_if_scope_misses(paths_leaves: list[tuple[Any, Any]]) -> None:
+  """Warns (once per set of paths) when the default labels find no attention or no
+  MLP leaf in a tree that has matrices, naming the matrices no rule recognised."""
+  matrices = [(p, x) for p, x in paths_leaves if jnp.ndim(x) >= 2]
+  if not matrices:
+    return
+  kinds = [classify(p, x) for p, x in matrices]
+  found = {label for label, _ in kinds}
+  missing = [k for k in ("attention", "mlp") if k not in found]
+  if not missing:
+    return
+  unknown = tuple(
+    jax.tree_util.keystr(p)
+    for (p, _), (_, recognised) in zip(matrices, kinds, strict=True)
+    if not recognised
+  )
+  signature = (*missing, *unknown)
+  if signature in _WARNED:
+    return
+  _WARNED.add(signature)
+  shown = ", ".join(unknown[:8]) + (" ..." if len(unknown) > 8 else "")
+  present = sorted(found & {"attention", "mlp"})
+  what = f"only {' and '.join(present)} matrices" if present else "no matrix at all"
+  warnings.warn(
+    f"The paper's scope (attention_mlp_weights / transformer_labels) found no"
+    f" {' and no '.join(missing)} matrix in these parameters, so Magma masks"
+    f" {what}. Matrices that no name rule recognised: {shown or 'none'}. Check"
+    " with magma.scope_report(params, where=...) and pass where= (a callable"
+    " (path, leaf) -> bool, or a pytree of bools) or labels= explicitly.",
+    UserWarning,
+    stacklevel=_stacklevel_outside_package(),
+  )
+
+
+def _stacklevel_outside_package() -> int:
+  """A ``stacklevel`` pointing at the first caller outside magma_optax."""
+  package = os.path.dirname(os.path.abspath(__file__))
+  frame, level = sys._getframe(1), 1
+  while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(
+    package
+  ):
+    frame, level = frame.f_back, level + 1
+  return level

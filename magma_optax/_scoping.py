@@ -145,6 +145,10 @@ def plan_leaves(
     "labels",
   )
   by_label = isinstance(keep_prob, Mapping)
+  if leaves and (
+    where is _labels.attention_mlp_weights or (labels is None and by_label)
+  ):
+    _labels.warn_if_scope_misses(paths_leaves)
   if by_label:
     unknown = set(keep_prob) - set(label_list)
     if unknown and leaves:  # no leaves: optax.tree.map_params' placeholder
