@@ -100,8 +100,12 @@ def next_score(
   non-finite gradient or momentum never reaches the score, so the update stays
   non-finite only where the base optimizer's own update is.
   """
-  s = score_decay * prev + (1.0 - score_decay) * jax.nn.sigmoid(cos * inv_tau)
-  return jnp.where(jnp.isnan(cos), prev, s).astype(jnp.float32)
+  ok = ~jnp.isnan(cos)
+  target = jax.nn.sigmoid(jnp.where(ok, cos, 0.0) * inv_tau)
+  # prev + ok (1 - d)(target - prev): arithmetic, not a select of prev, whose
+  # sharding may differ from the cosine's on Explicit mesh axes.
+  step = (1.0 - score_decay) * (target - prev)
+  return (prev + ok.astype(step.dtype) * step).astype(jnp.float32)
 
 
 class _Alignment(NamedTuple):

@@ -72,28 +72,29 @@ _MLP_PROJECTIONS = frozenset({
 })  # fmt: skip
 
 
+def strip_variable(path: KeyPath) -> KeyPath:
+  """``path`` without a trailing NNX ``.value`` (or ``.raw_value``) attribute.
+
+  ``nnx.State`` leaves are Variables, so their paths end in that attribute (a
+  ``GetAttrKey``, unlike a ``DictKey`` named "value", e.g. a value projection);
+  without it the path is the one of the same leaf in the pure dict.
+  """
+  if path and isinstance(path[-1], jax.tree_util.GetAttrKey):
+    if path[-1].name in ("value", "raw_value"):
+      return tuple(path[:-1])
+  return tuple(path)
+
+
 def path_names(path: KeyPath) -> tuple[str, ...]:
   """The names along a key path, lower-cased; a trailing NNX ``.value`` is dropped."""
   names = []
-  for entry in path:
+  for entry in strip_variable(path):
     for attr in ("key", "name", "idx"):
       if hasattr(entry, attr):
         names.append(str(getattr(entry, attr)).lower())
         break
     else:
       names.append(str(entry).lower())
-  # nnx.State leaves are Variables: their paths end in the attribute ``.value``
-  # (a GetAttrKey), which is not a module -- unlike a DictKey "value" projection.
-  if (
-    path
-    and isinstance(path[-1], jax.tree_util.GetAttrKey)
-    and names[-1]
-    in (
-      "value",
-      "raw_value",
-    )
-  ):
-    names.pop()
   return tuple(names)
 
 

@@ -51,7 +51,10 @@ def path_id(path: KeyPath) -> int:
   It enters every mask draw (not the leaf's position, which restarts inside each
   ``optax.masked`` / ``optax.multi_transform`` group and shifts when a leaf is
   added). CRC-32 is the same on every host and Python process (``hash`` is not).
+  An NNX Variable's trailing ``.value`` is not part of it, so an ``nnx.State`` and
+  the pure dict of the same model draw the same masks.
   """
+  path = _labels.strip_variable(path)
   return zlib.crc32(jax.tree_util.keystr(path).encode("utf-8"))
 
 
