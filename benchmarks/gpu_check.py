@@ -273,7 +273,12 @@ def sparse_training(width: int, layers: int, rounds: int, steps: int) -> None:
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--sizes", default="1e6,25e6,100e6")
+  parser.add_argument(
+    "--sizes",
+    default="1e6,25e6,100e6,transformer",
+    help="parameter counts, and/or 'transformer' (144 leaves of a transformer: on a"
+    " GPU per-leaf launches of small kernels may cost more than the bytes)",
+  )
   parser.add_argument("--rounds", type=int, default=20)
   parser.add_argument("--leaves", type=int, default=8)
   parser.add_argument(
@@ -297,11 +302,12 @@ def main(argv=None):
     ok &= check_optimizer()
     ok &= check_top_k()
     kernel_bandwidth(64 * 2**20, args.rounds)
-    sizes = [int(float(x)) for x in args.sizes.split(",")]
+    sizes = [x if x == "transformer" else int(float(x)) for x in args.sizes.split(",")]
     rounds, implementations = args.rounds, ["xla", "pallas"]
   for size in sizes:
     n, rows = step_overhead.run(size, args.leaves, rounds, implementations)
-    print(f"\n## {n / 1e6:.1f} M params")
+    what = "transformer tree, 144 leaves" if size == "transformer" else "params"
+    print(f"\n## {n / 1e6:.1f} M {what}")
     print("| step | median ms | x optax.adam | GB/s (28 B/param) | of copy BW |")
     print("|---|---:|---:|---:|---:|")
     for name, ms, ratio, bw, frac in rows:
