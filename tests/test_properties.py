@@ -60,6 +60,18 @@ def _trajectory(tx, shapes, seed):
   return p0, grads, masks, traj
 
 
+def _assert_matches_numpy(tx, shapes, seed, **reference_kwargs):
+  """Runs ``tx`` and the numpy Algorithm 1 with the masks it drew; compares."""
+  p0, grads, masks, traj = _trajectory(tx, shapes, seed)
+  for k in shapes:
+    want = ref.magma_run(
+      ref.NumpyAdam(1e-2), np.asarray(p0[k]), [np.asarray(g[k]) for g in grads],
+      [np.asarray(m[k]) for m in masks], **reference_kwargs,
+    )  # fmt: skip
+    for got, w in zip((t[k] for t in traj), want, strict=True):
+      np.testing.assert_allclose(got, w, rtol=2e-5, atol=2e-6)
+
+
 @hypothesis.settings(max_examples=12, deadline=None, derandomize=True)
 @hypothesis.given(problems())
 def test_magma_matches_numpy_algorithm1(problem):
@@ -68,15 +80,9 @@ def test_magma_matches_numpy_algorithm1(problem):
     optax.adam(1e-2), tau=tau, keep_prob=keep_prob, key=seed,
     granularity=granularity, stack_axes=stack_axes or None,
   )  # fmt: skip
-  p0, grads, masks, traj = _trajectory(tx, shapes, seed)
-  for k in shapes:
-    want = ref.magma_run(
-      ref.NumpyAdam(1e-2), np.asarray(p0[k]), [np.asarray(g[k]) for g in grads],
-      [np.asarray(m[k]) for m in masks], granularity=granularity,
-      stack_axes=stack_axes, tau=tau,
-    )  # fmt: skip
-    for got, w in zip((t[k] for t in traj), want, strict=True):
-      np.testing.assert_allclose(got, w, rtol=2e-5, atol=2e-6)
+  _assert_matches_numpy(
+    tx, shapes, seed, granularity=granularity, stack_axes=stack_axes, tau=tau
+  )
 
 
 @hypothesis.settings(max_examples=8, deadline=None, derandomize=True)
@@ -87,12 +93,7 @@ def test_skip_update_matches_numpy(problem):
     optax.adam(1e-2), keep_prob=keep_prob, key=seed, granularity=granularity,
     stack_axes=stack_axes or None,
   )  # fmt: skip
-  p0, grads, masks, traj = _trajectory(tx, shapes, seed)
-  for k in shapes:
-    want = ref.magma_run(
-      ref.NumpyAdam(1e-2), np.asarray(p0[k]), [np.asarray(g[k]) for g in grads],
-      [np.asarray(m[k]) for m in masks], granularity=granularity,
-      stack_axes=stack_axes, keep_prob=keep_prob, rescale=True,
-    )  # fmt: skip
-    for got, w in zip((t[k] for t in traj), want, strict=True):
-      np.testing.assert_allclose(got, w, rtol=2e-5, atol=2e-6)
+  _assert_matches_numpy(
+    tx, shapes, seed, granularity=granularity, stack_axes=stack_axes,
+    keep_prob=keep_prob, rescale=True,
+  )  # fmt: skip
