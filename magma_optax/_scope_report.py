@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from magma_optax import _blocks
+from magma_optax import _labels
 from magma_optax import _schedules
 from magma_optax import _scoping
 
@@ -26,7 +27,8 @@ class ScopeRow(NamedTuple):
   """One leaf of a :class:`ScopeReport`.
 
   Attributes:
-    path: ``jax.tree_util.keystr`` of the leaf's key path.
+    path: ``jax.tree_util.keystr`` of the leaf's key path (without an NNX
+      Variable's trailing ``.value``).
     shape: the leaf's shape.
     dtype: the leaf's dtype name.
     label: the leaf's label (``labels=``; default :func:`transformer_labels`).
@@ -156,7 +158,7 @@ def scope_report(
     masked = plan.layout is not None
     rows.append(
       ScopeRow(
-        path=jax.tree_util.keystr(path),
+        path=jax.tree_util.keystr(_labels.strip_variable(path)),
         shape=tuple(jnp.shape(leaf)),
         dtype=str(getattr(leaf, "dtype", type(leaf).__name__)),
         label=plan.label,
