@@ -17,16 +17,18 @@ Adam+Magma up to ~5e-2). At this model size and horizon our own check did not fi
 that: ``benchmarks/lm.py`` on this model (``benchmarks/results/lm_small_check``, 2
 seeds, 300 steps) gave Adam+Magma 2.016 nats/byte at 3e-3 and 2.078 at 1e-2, so the
 demo gives both optimizers 3e-3; ``--lr`` and ``--magma-lr`` change them. The demo is a
-taste, not evidence: with the defaults (seed 0; measured 2026-11-29) Adam reached
-2.058 nats/byte and Adam+Magma 2.029 (with ``--magma-lr 1e-2``: 2.128), differences
-of the size of the seed spread. ``benchmarks/RESULTS.md`` has the learning-rate sweep
-and the controls (a deterministic x0.25 scaling of the attention/MLP updates does as
-well as Magma there).
+taste, not evidence: with the defaults (seed 0; measured 2026-12-01 in a fresh venv,
+jax 0.10.2) Adam reached 2.069 nats/byte and Adam+Magma 2.010, differences of the size
+of the seed spread. (On 2026-11-29, in an earlier environment and with masks drawn
+from leaf positions: 2.058 and 2.029; with ``--magma-lr 1e-2``: 2.128. That older
+commit, run here on 2026-12-01, gives Adam 2.069 too.) ``benchmarks/RESULTS.md`` has the
+learning-rate sweep and the controls (a deterministic x0.25 scaling of the
+attention/MLP updates does as well as Magma there).
 
 Sizes. ``--size small`` (default, ~0.87M parameters, 4 layers, width 128) with 8
-sequences of 128 bytes per step and 300 steps took 118 s wall in all (125
-CPU-seconds) on a shared 2-core machine at load average ~3, and 2 min 50 s at load
-~6 (measured 2026-11-29; the results are identical run to run);
+sequences of 128 bytes per step and 300 steps trained in 68 s on a quiet 2-core
+machine, 2 min 12 s with the install in a fresh venv (measured 2026-12-01; 118 s at
+load average ~3 on 2026-11-29; the results are identical run to run);
 ``--size tiny`` is a few seconds' smoke test; ``--size medium`` wants an accelerator.
 
 References:
