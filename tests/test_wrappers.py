@@ -93,17 +93,61 @@ def _run_plain(tx, params, grads_seq):
   return traj, None, state
 
 
+def _first_moments(inner_state, params):
+  """Per leaf, the base state's ``mu`` / ``trace`` (numpy), or None."""
+  found = {}
+  for field in ("mu", "trace"):
+    for _, tree in optax.tree_utils.tree_get_all_with_path(inner_state, field):
+      for path, x in jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda v: isinstance(v, optax.MaskedNode)
+      )[0]:
+        if not isinstance(x, optax.MaskedNode):
+          found.setdefault(jax.tree_util.keystr(path), np.asarray(x, np.float64))
+  return {
+    jax.tree_util.keystr(p): found.get(jax.tree_util.keystr(p))
+    for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+  }
+
+
 @pytest.mark.parametrize("name", sorted(BASES))
 def test_magma_runs_on_every_base_and_finds_its_momentum(name):
+  """Lockstep with the base: each step's update is s_t * Delta_t, with s_t from the
+  cosine of the base's own first moment (or an EMA where it has none) and g_t."""
   params = _float_params()
   grads = [_grad_tree(params, s) for s in range(3)]
-  traj, _, state = _run(magma.magma(BASES[name](), key=1), params, grads)
-  assert all(np.isfinite(x).all() for x in jax.tree.leaves(traj[-1]))
-  own = [x for x in jax.tree.leaves(state.mask_state.momentum)]
+  tx, base = magma.magma(BASES[name](), key=1, keep_prob=1.0), BASES[name]()
+  state, step = tx.init(params), jax.jit(tx.update)
+  scores = {k: 0.5 for k in _first_moments(state.inner_state, params)}
+  own = {k: 0.0 for k in scores}
+  for g in grads:
+    deltas, inner = base.update(g, state.inner_state, params)  # the base alone
+    moments = _first_moments(inner, params)
+    u, state = step(g, state, params)
+    flat_g = {jax.tree_util.keystr(p): x for p, x in
+              jax.tree_util.tree_flatten_with_path(g)[0]}  # fmt: skip
+    flat_d = {jax.tree_util.keystr(p): x for p, x in
+              jax.tree_util.tree_flatten_with_path(deltas)[0]}  # fmt: skip
+    flat_u = {jax.tree_util.keystr(p): x for p, x in
+              jax.tree_util.tree_flatten_with_path(u)[0]}  # fmt: skip
+    for k, gk in flat_g.items():
+      gk = np.asarray(gk, np.float64)
+      if moments[k] is None:  # the wrapper's own EMA of the gradient
+        own[k] = 0.9 * own[k] + 0.1 * gk
+        mu = own[k]
+      else:
+        mu = moments[k]
+      cos = float(ref.block_cosine(mu, gk, np.zeros(gk.shape, int), 1)[0])
+      scores[k] = 0.9 * scores[k] + 0.1 * ref.sigmoid(cos / 2.0)
+      np.testing.assert_allclose(
+        flat_u[k], scores[k] * np.asarray(flat_d[k]), rtol=2e-5, atol=1e-8,
+        err_msg=f"{name} {k}",
+      )  # fmt: skip
+    params = optax.apply_updates(params, u)
+  own_buffers = jax.tree.leaves(state.mask_state.momentum)
   if name in ("rmsprop",):
-    assert own, "rmsprop keeps no momentum: the wrapper must keep its own EMA"
+    assert own_buffers, "rmsprop keeps no momentum: the wrapper must keep its own EMA"
   else:
-    assert not own, f"{name} has a first moment: no second buffer expected"
+    assert not own_buffers, f"{name} has a first moment: no second buffer expected"
 
 
 def test_skip_update_equals_chain_with_bernoulli_mask():
