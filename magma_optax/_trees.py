@@ -1,0 +1,114 @@
+"""Parameter-shaped subtrees of optimizer states: one helper, used everywhere.
+
+Many things in an optimizer state are trees *like the parameters*: Adam's ``mu`` and
+``nu``, ``optax.trace``'s ``trace``, this package's scores, masks and momenta. Inside
+``optax.masked`` and ``optax.multi_transform`` they come with ``optax.MaskedNode`` in
+place of leaves or of whole subtrees (the leaves of other groups). Whoever needs them
+-- the momentum lookup of :func:`magma_optax.magma`, the sharding of a state, sparse
+storage of a base optimizer's moments, host offload -- finds them here:
+
+* :func:`split_like` -- a node's entries, one per parameter leaf (``MaskedNode`` where
+  a leaf or a whole subtree is masked), or ``None`` if it is not like the parameters;
+* :func:`map_like` -- rebuilds every maximal parameter-like subtree of a state from
+  a function of (parameter index, entry).
+
+A node is parameter-like when it has the parameters' tree structure, except that
+``MaskedNode`` may stand for any subtree, and it holds at least one non-``MaskedNode``
+entry (an empty node is like every leafless tree, so it proves nothing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+
+
+def is_masked(x: Any) -> bool:
+  """``True`` for ``optax.MaskedNode`` (an empty slot in a group's tree)."""
+  return isinstance(x, optax.MaskedNode)
+
+
+class _NotLike(Exception):
+  pass
+
+
+def split_like(node: Any, params_def: Any) -> list[Any] | None:
+  """``node``'s entries in the flattening order of the parameters' treedef.
+
+  Args:
+    node: any subtree of a state.
+    params_def: ``jax.tree.structure(params)`` (a group's tree, with ``MaskedNode``
+      subtrees, is fine too).
+
+  Returns:
+    One entry per leaf of ``params_def``: the node's leaf there, or
+    ``optax.MaskedNode()`` where the node masks that leaf (or a subtree holding it);
+    ``None`` if ``node`` does not have that structure or has no unmasked entry.
+  """
+  n = params_def.num_leaves
+  if n == 0:
+    return None
+  try:
+    entries = params_def.flatten_up_to(node)
+  except (ValueError, TypeError):
+    entries = None
+  if entries is None:
+    skeleton = params_def.unflatten(range(n))
+    entries = [optax.MaskedNode()] * n
+
+    def visit(x: Any, slot: Any) -> Any:
+      if is_masked(x):
+        return x  # every parameter leaf in ``slot`` stays MaskedNode
+      if not isinstance(slot, int) or isinstance(x, (dict, list, tuple)):
+        raise _NotLike
+      entries[slot] = x
+      return x
+
+    try:
+      jax.tree.map(visit, node, skeleton, is_leaf=is_masked)
+    except (_NotLike, ValueError, TypeError):
+      return None
+  if all(is_masked(e) or isinstance(e, (dict, list, tuple)) for e in entries):
+    return None
+  if any(isinstance(e, (dict, list, tuple)) and not is_masked(e) for e in entries):
+    return None  # a container where a parameter leaf should be
+  return entries
+
+
+def map_like(
+  fn: Callable[[int, Any], Any],
+  state: Any,
+  params_def: Any,
+  *,
+  other: Callable[[Any], Any] | None = None,
+) -> Any:
+  """Maps ``fn(i, entry)`` over the entries of every parameter-like subtree.
+
+  Args:
+    fn: called with the parameter leaf index ``i`` and the state's entry there, for
+      every entry that is not ``MaskedNode``; returns the new entry.
+    state: an optimizer state (any pytree).
+    params_def: ``jax.tree.structure(params)``.
+    other: applied to every leaf outside the parameter-like subtrees (default:
+      unchanged).
+
+  Returns:
+    ``state`` with the same structure and the mapped entries.
+  """
+
+  def is_like(x: Any) -> bool:
+    return split_like(x, params_def) is not None
+
+  def rebuild(node: Any) -> Any:
+    entries = split_like(node, params_def)
+    if entries is None:
+      return node if other is None else other(node)
+    new = iter(fn(i, e) for i, e in enumerate(entries) if not is_masked(e))
+    return jax.tree.map(
+      lambda x: x if is_masked(x) else next(new), node, is_leaf=is_masked
+    )
+
+  return jax.tree.map(rebuild, state, is_leaf=lambda x: is_masked(x) or is_like(x))
