@@ -2,11 +2,14 @@
 
 ``adam_magma`` computes, per leaf and in one kernel call (:func:`kernels.masked_adam`),
 Adam's moments, Magma's alignment sums and the masked, scaled update, instead of
-running ``optax.adam`` and then a second pass for the cosine and the mask. The masks
-come from the same functions as the wrapper's (``_scoping.plan_leaves``,
-``_masks.draw_block_masks``: one draw per (key, step, leaf path, block)), so for the
-same key and hyperparameters the updates equal ``magma.magma(optax.adam(...))``
-(``optax.adamw`` with ``weight_decay``) up to float32 rounding of the reductions.
+running ``optax.adam`` and then a second pass for the cosine and the mask. Planning,
+the draws and the mask state come from the same engine and rule as the wrapper's
+(:mod:`magma_optax._engine`, ``_alignment.AlignmentRule``: one draw per (key, step,
+leaf path, block)), so for the same key and hyperparameters the updates equal
+``magma.magma(optax.adam(...))`` (``optax.adamw`` with ``weight_decay``) up to float32
+rounding of the reductions. The score is one pure function of the step's sums: the
+kernel calls it to scale the update, and it is evaluated again on the sums the
+kernel returns (the same ones) for the state.
 
 The state keeps Adam's ``count``, ``mu`` and ``nu`` (found by name, as for
 ``optax.adam``), ``mu_sq_norm`` (||mu||^2 per block, carried so that the cosine costs
@@ -22,6 +25,7 @@ and they are left out of the cosine -- the convention of ``magma.periodic_mask``
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
@@ -33,7 +37,7 @@ import optax
 from magma_optax import _alignment
 from magma_optax import _blocks
 from magma_optax import _compat
-from magma_optax import _masks
+from magma_optax import _engine
 from magma_optax import _schedules
 from magma_optax import _scoping
 from magma_optax import kernels
@@ -112,7 +116,7 @@ def adam_magma(
   mu_dtype: Any = None,
   tau: _schedules.ScalarOrSchedule = 2.0,
   keep_prob: _schedules.ScalarOrSchedule | dict = 0.5,
-  key: _masks.KeyLike = 0,
+  key: _engine.KeyLike = 0,
   score_decay: float = 0.9,
   init_score: float = 0.5,
   granularity: _blocks.Granularity = "tensor",
@@ -185,6 +189,7 @@ def adam_magma(
     Optimizers, arXiv 2602.15322 (2026), Algorithm 1; Kingma & Ba, Adam,
     arXiv 1412.6980; Loshchilov & Hutter, AdamW, arXiv 1711.05101.
   """
+  arguments = dict(locals())  # the arguments, for from_arguments below
   b1 = _check_unit("b1", b1)
   b2 = _check_unit("b2", b2)
   eps = _static_float("eps", eps, ">= 0")
@@ -210,30 +215,21 @@ def adam_magma(
     or _compat.is_tracer(weight_decay)  # optax.inject_hyperparams
     or weight_decay != 0.0
   )
-  # The wrapper's validation and state layout, reused: same checks, same masks.
-  align = _alignment.make_alignment(
-    tau=tau,
-    keep_prob=keep_prob,
-    key=key,
-    score_decay=score_decay,
-    init_score=init_score,
-    momentum_decay=0.9,
-    granularity=granularity,
-    stack_axes=stack_axes,
-    where=where,
-    labels=labels,
-    momentum_dtype=None,
+  # The same engine (config, rule, draws, state) as magma(optax.adam(...)).
+  rule = _engine.from_arguments(_alignment.AlignmentRule.create, arguments)
+  engine = _engine.BlockMask(
+    _engine.from_arguments(_engine.MaskConfig.create, arguments),
+    rule,
   )
-  granularity = _blocks.validate_granularity(granularity)
-  stack_axes = _blocks.validate_stack_axes(stack_axes)
-  keep_prob = _scoping.validate_keep_prob(keep_prob)
 
   def init_fn(params):
     _check_real(params)
-    mask_state = align.init(params, lambda plan: False)
+    mu = optax.tree.zeros_like(params, dtype=mu_dtype)
+    # mu serves as Magma's momentum: no own EMA is allocated.
+    mask_state = engine.init(params, momentum=jax.tree.leaves(mu))
     return AdamMagmaState(
       count=jnp.zeros([], jnp.int32),
-      mu=optax.tree.zeros_like(params, dtype=mu_dtype),
+      mu=mu,
       nu=optax.tree.zeros_like(params),
       mu_sq_norm=jax.tree.map(jnp.zeros_like, mask_state.scores),
       mask_state=mask_state,
@@ -247,23 +243,12 @@ def adam_magma(
         "adam_magma with weight_decay needs the params: call update(grads,"
         " state, params)."
       )
-    plans, treedef = _scoping.plan_leaves(
-      updates,
-      where=where,
-      labels=labels,
-      keep_prob=keep_prob,
-      granularity=granularity,
-      stack_axes=stack_axes,
-    )
     mask_state = state.mask_state
-    plans = _scoping.match_state(plans, mask_state.scores, treedef)
+    plans, treedef, masks, _ = engine.prepare(updates, mask_state)
     count = mask_state.count
-    masks = _masks.draw_block_masks(mask_state.key, count, plans)
     count_inc = optax.safe_increment(state.count)
     lr = _schedules.evaluate(learning_rate, state.count)
     wd = _schedules.evaluate(weight_decay, state.count) if has_decay else 0.0
-    inv_tau = 1.0 / _schedules.evaluate(tau, count)
-    decay = score_decay
     grads = treedef.flatten_up_to(updates)
     mus = treedef.flatten_up_to(state.mu)
     nus = treedef.flatten_up_to(state.nu)
@@ -272,21 +257,18 @@ def adam_magma(
       pms = [None] * len(grads)
     else:
       pms = _scoping.split_param_mask(treedef, param_mask)
-    old_scores = treedef.flatten_up_to(mask_state.scores)
-    old_norms = treedef.flatten_up_to(state.mu_sq_norm)
+    blank = [optax.MaskedNode()] * len(grads)
+    old_scores = treedef.flatten_up_to(mask_state.scores) if plans else blank
+    old_norms = treedef.flatten_up_to(state.mu_sq_norm) if plans else blank
     out, new_mu, new_nu, new_scores, new_norms = [], [], [], [], []
     for i, plan in enumerate(plans):
-      scale: Any = None
-      layout = plan.layout
-      score_box: list[jax.Array] = []
+      layout, scale, score = plan.layout, None, None
       if layout is not None:
-
-        def scale(dot, mu_sq, g_sq, s_prev=old_scores[i], z=masks[i], box=score_box):
-          cos = _alignment.cosine_from_sums(dot, mu_sq, g_sq)
-          s = _alignment.next_score(s_prev, cos, inv_tau, decay)
-          box.append(s)
-          return s * z
-
+        # One pure function of this step's sums: the kernel calls it to scale the
+        # update, and it is called again on the sums the kernel returns (the same
+        # ones) for the state; XLA computes it once.
+        score = functools.partial(_score, rule, old_scores[i], count)
+        scale = lambda *sums, score=score, z=masks[i]: score(sums) * z
       res = kernels.masked_adam(
         grads[i],
         mus[i],
@@ -309,19 +291,22 @@ def adam_magma(
       )
       if layout is None:
         new_norms.append(optax.MaskedNode())
-      elif pms[i] is None:
-        new_norms.append(res.mu_sq_norm)
-      else:  # the sums covered existing entries only; the carry needs all
-        new_norms.append(layout.block_sum(jnp.square(res.mu.astype(jnp.float32))))
+        new_scores.append(optax.MaskedNode())
+      else:
+        if pms[i] is None:
+          norm = res.mu_sq_norm
+        else:  # the sums covered existing entries only; the carry needs all
+          norm = layout.block_sum(jnp.square(res.mu.astype(jnp.float32)))
+        new_norms.append(norm)
+        new_scores.append(score((res.mu_dot_grad, res.mu_sq_norm, res.grad_sq_norm)))
       out.append(res.update)
       new_mu.append(res.mu)
       new_nu.append(res.nu)
-      new_scores.append(score_box[0] if score_box else optax.MaskedNode())
-    overall, by_label = _masks.active_fractions(plans, masks)
+    overall, by_label = _engine.active_fractions(plans, masks)
     new_mask_state = mask_state._replace(
       count=optax.safe_increment(count),
-      scores=treedef.unflatten(new_scores),
-      mask=treedef.unflatten(masks),
+      scores=_engine.block_tree(treedef, new_scores, False, jnp.float32),
+      mask=_engine.block_tree(treedef, masks, False, jnp.bool_),
       active_fraction=overall,
       active_fraction_by_label=by_label,
     )
@@ -329,9 +314,19 @@ def adam_magma(
       count=count_inc,
       mu=treedef.unflatten(new_mu),
       nu=treedef.unflatten(new_nu),
-      mu_sq_norm=treedef.unflatten(new_norms),
+      mu_sq_norm=_engine.block_tree(treedef, new_norms, False, jnp.float32),
       mask_state=new_mask_state,
     )
     return treedef.unflatten(out), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _score(rule, prev, count, sums) -> jax.Array:
+  """Magma's new block scores from this step's sums (<m_t, g>, ||m_t||^2, ||g||^2).
+
+  Where the kernel's float32 sums overflowed (finite entries beyond about
+  ``1e19 / sqrt(block size)``) the cosine is NaN and the block keeps its score;
+  ``magma(optax.adam)`` computes the exact cosine there (``_alignment.block_sums``).
+  """
+  return rule.score(prev, _alignment.cosine_from_sums(*sums), count)

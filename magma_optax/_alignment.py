@@ -17,7 +17,7 @@ applies it to a base optimizer's update with the base's own first moment.
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 from typing import Any
 from typing import NamedTuple
 
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 
 from magma_optax import _blocks
-from magma_optax import _masks
+from magma_optax import _engine
 from magma_optax import _schedules
 from magma_optax import _scoping
 
@@ -57,14 +57,12 @@ class AlignmentMaskState(NamedTuple):
   active_fraction_by_label: dict[str, jax.Array]
 
 
-def block_cosine(
+def block_sums(
   layout: _blocks.BlockLayout, a: jax.Array, b: jax.Array, axis_name: Any = None
-) -> jax.Array:
-  """Per-block cosine of ``a`` and ``b`` in f32; 0 where either block is zero, NaN
-  where the block holds a non-finite value or its float32 sums overflow.
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Per-block ``(<a, b>, ||a||^2, ||b||^2)`` in f32 (``psum``-ed over ``axis_name``).
 
-  ``axis_name`` (inside ``shard_map``): the mesh axes over which blocks are split;
-  the per-block partial sums are ``psum``-ed over them before the cosine is formed.
+  ``axis_name`` (inside ``shard_map``): the mesh axes over which blocks are split.
   """
   a = a.astype(jnp.float32)
   # The barrier stops XLA from merging b * b with the base optimizer's g * g, which
@@ -74,7 +72,20 @@ def block_cosine(
   sums = (layout.block_sum(a * b), layout.block_sum(a * a), layout.block_sum(b * b))
   if axis_name is not None:
     sums = jax.lax.psum(sums, axis_name)
-  return cosine_from_sums(*sums)
+  return sums
+
+
+def block_cosine(
+  layout: _blocks.BlockLayout, a: jax.Array, b: jax.Array, axis_name: Any = None
+) -> jax.Array:
+  """Per-block cosine of ``a`` and ``b`` in f32; 0 where either block is zero, NaN
+  where the block holds a non-finite value or its float32 sums overflow (then
+  :func:`next_score` keeps the block's score).
+
+  ``axis_name`` (inside ``shard_map``): the mesh axes over which blocks are split;
+  the per-block partial sums are ``psum``-ed over them before the cosine is formed.
+  """
+  return cosine_from_sums(*block_sums(layout, a, b, axis_name))
 
 
 def cosine_from_sums(dot: jax.Array, aa: jax.Array, bb: jax.Array) -> jax.Array:
@@ -108,144 +119,93 @@ def next_score(
   return (prev + ok.astype(step.dtype) * step).astype(jnp.float32)
 
 
-class _Alignment(NamedTuple):
-  """The validated hyperparameters and the two pure functions both users share."""
+def _check_momentum_dtype(momentum_dtype: Any) -> Any:
+  if momentum_dtype is None:
+    return None
+  try:
+    momentum_dtype = jnp.dtype(momentum_dtype)
+  except TypeError as e:
+    raise ValueError(f"momentum_dtype must be a float dtype; {e}") from None
+  if not jnp.issubdtype(momentum_dtype, jnp.floating):
+    raise ValueError(
+      f"momentum_dtype must be a floating dtype (e.g. jnp.float32 or"
+      f" jnp.bfloat16); got {momentum_dtype}."
+    )
+  return momentum_dtype
 
-  init: Any
-  step: Any
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class AlignmentRule(_engine.Rule):
+  """Magma's rule: scale ``s_t z_t`` per block, ``s_t`` from cos(momentum, signal).
 
-def make_alignment(
-  *,
-  tau,
-  keep_prob,
-  key,
-  score_decay,
-  init_score,
-  momentum_decay,
-  granularity,
-  stack_axes,
-  where,
-  labels,
-  momentum_dtype,
-) -> _Alignment:
-  """Validates the hyperparameters and returns ``init`` / ``step`` functions.
-
-  ``init(params, own_momentum)`` builds the state; ``own_momentum(plan)`` says
-  whether a scoped leaf keeps its own momentum EMA.
-  ``step(deltas, signal, base_momentum, state)`` masks ``deltas`` using the cosine
-  of (momentum, signal) per block; ``base_momentum`` is a per-leaf list (``None``
-  where the state's own EMA is used).
+  Per leaf it keeps the block scores (``scores``, per block) and, where the base
+  optimizer has no usable first moment, its own EMA of the signal (``momentum``,
+  per parameter). :meth:`score` is the score update alone, shared with the fused
+  :func:`magma_optax.adam_magma`.
   """
-  tau = _schedules.check_positive("tau", tau)
-  keep_prob = _scoping.validate_keep_prob(keep_prob)
-  key = _masks.as_key(key)
-  score_decay = _schedules.check_decay("score_decay", score_decay)
-  momentum_decay = _schedules.check_decay("momentum_decay", momentum_decay)
-  init_score = _schedules.check_range(
-    "init_score", init_score, 0.0, 1.0, low_open=False, high_open=False
-  )
-  granularity = _blocks.validate_granularity(granularity)
-  stack_axes = _blocks.validate_stack_axes(stack_axes)
-  if momentum_dtype is not None:
-    try:
-      momentum_dtype = jnp.dtype(momentum_dtype)
-    except TypeError as e:
-      raise ValueError(f"momentum_dtype must be a float dtype; {e}") from None
-    if not jnp.issubdtype(momentum_dtype, jnp.floating):
-      raise ValueError(
-        f"momentum_dtype must be a floating dtype (e.g. jnp.float32 or"
-        f" jnp.bfloat16); got {momentum_dtype}."
-      )
 
-  plan = functools.partial(
-    _scoping.plan_leaves,
-    where=where,
-    labels=labels,
-    keep_prob=keep_prob,
-    granularity=granularity,
-    stack_axes=stack_axes,
-  )
+  tau: Any = 2.0
+  score_decay: Any = 0.9
+  init_score: Any = 0.5
+  momentum_decay: Any = 0.9
+  momentum_dtype: Any = None
 
-  def init(params, own_momentum):
-    plans, treedef = plan(params)
-    leaves = treedef.flatten_up_to(params)
-    scores, momentum = [], []
-    for p, x in zip(plans, leaves, strict=True):
-      if p.layout is None:
-        scores.append(optax.MaskedNode())
-        momentum.append(optax.MaskedNode())
-        continue
-      # zeros + s_0, not jnp.full: a full of a scalar array can return that very
-      # array (an inject_hyperparams value), and a donated state must own its buffers.
-      scores.append(jnp.zeros(p.layout.block_shape, jnp.float32) + init_score)
-      if own_momentum(p):
-        momentum.append(jnp.zeros(x.shape, momentum_dtype or x.dtype))
-      else:
-        momentum.append(optax.MaskedNode())
-    masks = _masks.init_block_masks(plans)
-    overall, by_label = _masks.active_fractions(plans, masks)
-    return AlignmentMaskState(
-      count=jnp.zeros([], jnp.int32),
-      # A fresh buffer per state: a donated state must not delete the key that
-      # the next init() would hand out.
-      key=jnp.copy(key),
-      scores=treedef.unflatten(scores),
-      mask=treedef.unflatten(masks),
-      momentum=treedef.unflatten(momentum),
-      active_fraction=overall,
-      active_fraction_by_label=by_label,
+  state_type = AlignmentMaskState
+  block_fields = ("scores",)
+  param_fields = ("momentum",)
+
+  @classmethod
+  def create(
+    cls,
+    *,
+    tau: Any = 2.0,
+    score_decay: Any = 0.9,
+    init_score: Any = 0.5,
+    momentum_decay: Any = 0.9,
+    momentum_dtype: Any = None,
+  ) -> AlignmentRule:
+    """Checks every hyperparameter (``ValueError`` naming it)."""
+    return cls(
+      tau=_schedules.check_positive("tau", tau),
+      score_decay=_schedules.check_decay("score_decay", score_decay),
+      init_score=_schedules.check_range(
+        "init_score", init_score, 0.0, 1.0, low_open=False, high_open=False
+      ),
+      momentum_decay=_schedules.check_decay("momentum_decay", momentum_decay),
+      momentum_dtype=_check_momentum_dtype(momentum_dtype),
     )
 
-  def step(deltas, signal, base_momentum, state):
-    plans, treedef = plan(deltas)
-    plans = _scoping.match_state(plans, state.scores, treedef)
-    delta_leaves = treedef.flatten_up_to(deltas)
-    signal_leaves = treedef.flatten_up_to(signal)
-    score_leaves = treedef.flatten_up_to(state.scores)
-    momentum_leaves = treedef.flatten_up_to(state.momentum)
-    masks = _masks.draw_block_masks(state.key, state.count, plans)
-    inv_tau = 1.0 / _schedules.evaluate(tau, state.count)
-    out, new_scores, new_momentum = [], [], []
-    for i, p in enumerate(plans):
-      delta = delta_leaves[i]
-      if p.layout is None:
-        out.append(delta)
-        new_scores.append(optax.MaskedNode())
-        new_momentum.append(optax.MaskedNode())
-        continue
-      own = momentum_leaves[i]
-      if isinstance(own, optax.MaskedNode):
-        mu = base_momentum[i]
-        new_momentum.append(own)
-      else:
-        mu = optax.tree.update_moment(signal_leaves[i], own, momentum_decay, 1)
-        mu = mu.astype(own.dtype)
-        new_momentum.append(mu)
-      cos = block_cosine(p.layout, mu, signal_leaves[i])
-      s = next_score(score_leaves[i], cos, inv_tau, score_decay)
-      new_scores.append(s)
-      out.append(_masks.scale_blocks(delta, p.layout, s * masks[i]))
-    overall, by_label = _masks.active_fractions(plans, masks)
-    new_state = AlignmentMaskState(
-      count=optax.safe_increment(state.count),
-      key=state.key,
-      scores=treedef.unflatten(new_scores),
-      mask=treedef.unflatten(masks),
-      momentum=treedef.unflatten(new_momentum),
-      active_fraction=overall,
-      active_fraction_by_label=by_label,
-    )
-    return treedef.unflatten(out), new_state
+  def init_leaf(self, plan, param, momentum) -> dict[str, Any]:
+    # zeros + s_0, not jnp.full: a full of a scalar array can return that very
+    # array (an inject_hyperparams value), and a donated state must own its buffers.
+    out = {"scores": jnp.zeros(plan.layout.block_shape, jnp.float32) + self.init_score}
+    if momentum is None:
+      out["momentum"] = jnp.zeros(param.shape, self.momentum_dtype or param.dtype)
+    return out
 
-  return _Alignment(init, step)
+  def score(self, prev: jax.Array, cos: jax.Array, count: jax.Array) -> jax.Array:
+    """``s_t`` from ``s_{t-1}`` and this step's block cosines (NaN: keep ``s``)."""
+    inv_tau = 1.0 / _schedules.evaluate(self.tau, count)
+    return next_score(prev, cos, inv_tau, self.score_decay)
+
+  def scale(self, leaf: _engine.LeafStep) -> tuple[jax.Array, dict[str, Any]]:
+    own = leaf.state["momentum"]
+    new: dict[str, Any] = {}
+    if isinstance(own, optax.MaskedNode):
+      mu = leaf.momentum
+    else:
+      mu = optax.tree.update_moment(leaf.signal, own, self.momentum_decay, 1)
+      mu = new["momentum"] = mu.astype(own.dtype)
+    cos = block_cosine(leaf.plan.layout, mu, leaf.signal)
+    s = new["scores"] = self.score(leaf.state["scores"], cos, leaf.count)
+    return s * leaf.mask, new
 
 
 def alignment_mask(
   tau: _schedules.ScalarOrSchedule = 2.0,
   *,
   keep_prob: _schedules.ScalarOrSchedule | dict = 0.5,
-  key: _masks.KeyLike = 0,
+  key: _engine.KeyLike = 0,
   score_decay: float = 0.9,
   init_score: float = 0.5,
   momentum_decay: float = 0.9,
@@ -301,25 +261,8 @@ def alignment_mask(
     Joo et al., On Surprising Effectiveness of Masking Updates in Adaptive
     Optimizers, arXiv 2602.15322 (2026), Algorithm 1 and App. C.4.
   """
-  align = make_alignment(
-    tau=tau,
-    keep_prob=keep_prob,
-    key=key,
-    score_decay=score_decay,
-    init_score=init_score,
-    momentum_decay=momentum_decay,
-    granularity=granularity,
-    stack_axes=stack_axes,
-    where=where,
-    labels=labels,
-    momentum_dtype=momentum_dtype,
-  )
-
-  def init_fn(params):
-    return align.init(params, lambda plan: True)
-
-  def update_fn(updates, state, params=None, **extra_args):
-    del params, extra_args
-    return align.step(updates, updates, None, state)
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  arguments = dict(locals())  # the arguments, for from_arguments below
+  return _engine.BlockMask(
+    _engine.from_arguments(_engine.MaskConfig.create, arguments),
+    _engine.from_arguments(AlignmentRule.create, arguments),
+  ).transformation()

@@ -78,11 +78,27 @@ class BlockLayout:
     expanded_shape: the leaf reshaped so that block axes and within-block axes are
       separate axes (a free reshape of a contiguous array).
     reduce_axes: the axes of ``expanded_shape`` that lie within a block.
+    source_axes: for each axis of ``expanded_shape``, the leaf axis it comes from
+      (a tiled leaf axis gives two: the tile count and the position in the tile);
+      empty means one to one.
   """
 
   shape: tuple[int, ...]
   expanded_shape: tuple[int, ...]
   reduce_axes: tuple[int, ...]
+  source_axes: tuple[int, ...] = ()
+
+  @property
+  def param_axes(self) -> tuple[int, ...]:
+    """For each axis of :attr:`block_shape`, the leaf axis that it indexes.
+
+    This is the per-block layout a state declares (``magma.sharding`` gives a
+    per-block array the leaf's partition spec on these axes): ``"row"`` keeps every
+    axis but the last, ``"column"`` the stacked axes and the last, a tile shape
+    every axis (counting tiles), ``"tensor"`` only the stacked axes.
+    """
+    source = self.source_axes or tuple(range(len(self.expanded_shape)))
+    return tuple(a for i, a in enumerate(source) if i not in self.reduce_axes)
 
   @property
   def block_shape(self) -> tuple[int, ...]:
@@ -166,10 +182,12 @@ def block_layout(
           " divide those axes, or scope the leaf out with `where`."
         )
     expanded = lead + body[: len(body) - r]
+    source = tuple(range(len(expanded)))
     reduce_axes = []
-    for dim, t in zip(tiled, granularity, strict=True):
+    for axis, (dim, t) in enumerate(zip(tiled, granularity, strict=True)):
       expanded += (dim // t, t)
+      source += (len(shape) - r + axis,) * 2
       reduce_axes.append(len(expanded) - 1)
-    return BlockLayout(shape, expanded, tuple(reduce_axes))
+    return BlockLayout(shape, expanded, tuple(reduce_axes), source)
   # "tensor", and the fall-back for leaves with too few axes for the granularity.
   return BlockLayout(shape, shape, body_axes)

@@ -9,12 +9,15 @@ The output keeps the update's dtype. Stateless.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import optax
 
 from magma_optax import _blocks
-from magma_optax import _masks
+from magma_optax import _engine
 from magma_optax import _schedules
 from magma_optax import _scoping
 
@@ -26,6 +29,21 @@ def _safe_block_norm(layout: _blocks.BlockLayout, u: jax.Array) -> jax.Array:
   safe = jnp.where((m > 0) & jnp.isfinite(m), m, 1.0)
   norm = safe * jnp.sqrt(layout.block_sum(jnp.square(a / layout.to_leaf(safe))))
   return jnp.where(jnp.isfinite(m), norm, m)  # inf (or NaN) blocks: inf (NaN)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DampingRule(_engine.Rule):
+  """Scale ``1 / (1 + c ||u_b||)`` per block; stateless, no draw."""
+
+  coefficient: Any
+
+  draws = False
+
+  def scale(self, leaf: _engine.LeafStep) -> tuple[jax.Array, dict[str, Any]]:
+    norm = _safe_block_norm(leaf.plan.layout, leaf.update)
+    c = self.coefficient
+    # c = 0 is the identity even for an inf block (0 * inf would give NaN).
+    return jnp.where(c == 0, 1.0, 1.0 / (1.0 + c * norm)), {}
 
 
 def damping(
@@ -63,27 +81,7 @@ def damping(
   _schedules.check_range(
     "coefficient", coefficient, 0.0, float("inf"), low_open=False, high_open=True
   )
-  granularity = _blocks.validate_granularity(granularity)
-  stack_axes = _blocks.validate_stack_axes(stack_axes)
-
-  def init_fn(params):
-    del params
-    return optax.EmptyState()
-
-  def update_fn(updates, state, params=None, **extra_args):
-    del params, extra_args
-    plans, treedef = _scoping.plan_scope(
-      updates, where=where, granularity=granularity, stack_axes=stack_axes
-    )
-    out = []
-    for plan, u in zip(plans, treedef.flatten_up_to(updates), strict=True):
-      if plan.layout is None:
-        out.append(u)
-        continue
-      norm = _safe_block_norm(plan.layout, u)
-      # c = 0 is the identity even for an inf block (0 * inf would give NaN).
-      scale = jnp.where(coefficient == 0, 1.0, 1.0 / (1.0 + coefficient * norm))
-      out.append(_masks.scale_blocks(u, plan.layout, scale))
-    return treedef.unflatten(out), state
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  config = _engine.MaskConfig.create(
+    granularity=granularity, stack_axes=stack_axes, where=where
+  )
+  return _engine.BlockMask(config, DampingRule(coefficient)).transformation()

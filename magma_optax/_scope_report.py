@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from magma_optax import _blocks
+from magma_optax import _engine
 from magma_optax import _labels
 from magma_optax import _schedules
 from magma_optax import _scoping
@@ -141,17 +142,14 @@ def scope_report(
     >>> [r.path for r in report.masked]
     ["['attn']['q_proj']['kernel']", "['mlp']['up']['kernel']"]
   """
-  keep_prob = _scoping.validate_keep_prob(keep_prob)
-  granularity = _blocks.validate_granularity(granularity)
-  stack_axes = _blocks.validate_stack_axes(stack_axes)
-  plans, _ = _scoping.plan_leaves(
-    params,
-    where=where,
-    labels=labels,
+  config = _engine.MaskConfig.create(
     keep_prob=keep_prob,
     granularity=granularity,
     stack_axes=stack_axes,
+    where=where,
+    labels=labels,
   )
+  plans, _ = config.plan(params)
   paths_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
   rows = []
   for plan, (path, leaf) in zip(plans, paths_leaves, strict=True):

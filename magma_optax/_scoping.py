@@ -68,6 +68,8 @@ class LeafPlan:
     layout: the leaf's block layout, or ``None`` when the leaf is not masked.
     keep_prob: the leaf's keep probability (float, array or schedule).
     path_id: :func:`path_id` of the leaf's key path (enters the mask's PRNG key).
+    path: ``jax.tree_util.keystr`` of the leaf's key path (for messages and the
+      layouts a state declares, see :func:`magma_optax._engine.declared_layouts`).
   """
 
   index: int
@@ -75,6 +77,7 @@ class LeafPlan:
   layout: _blocks.BlockLayout | None
   keep_prob: Any = None
   path_id: int = 0
+  path: str = ""
 
 
 def _per_leaf(spec: Any, paths_leaves, treedef, name: str) -> list[Any]:
@@ -171,9 +174,13 @@ def plan_leaves(
       p = keep_prob
     if ok and floating:
       layout = _blocks.block_layout(jnp.shape(x), granularity, stack_axes)
-      plans.append(LeafPlan(i, str(label), layout, p, path_id(path)))
+      plans.append(
+        LeafPlan(i, str(label), layout, p, path_id(path), jax.tree_util.keystr(path))
+      )
     else:
-      plans.append(LeafPlan(i, str(label), None, None, path_id(path)))
+      plans.append(
+        LeafPlan(i, str(label), None, None, path_id(path), jax.tree_util.keystr(path))
+      )
   return plans, treedef
 
 
@@ -259,7 +266,8 @@ def match_state(plans: list[LeafPlan], state_tree: Any, treedef: Any) -> list[Le
       out.append(dataclasses.replace(plan, layout=None, keep_prob=None))
     elif plan.layout is None:
       raise ValueError(
-        f"leaf {plan.index} had a mask at init but is unscoped now; `where` and"
+        f"leaf {plan.path or plan.index} had a mask at init but is unscoped now;"
+        " `where` and"
         " `labels` must depend only on the path, shape and dtype of a leaf."
       )
     else:

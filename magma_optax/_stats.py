@@ -7,10 +7,7 @@ from typing import Any
 import jax
 import optax
 
-from magma_optax import _alignment
-from magma_optax import _masks
-
-_MASK_STATES = (_alignment.AlignmentMaskState, _masks.BernoulliMaskState)
+from magma_optax import _engine
 
 
 def _stats_of(node: Any) -> dict[str, Any]:
@@ -70,7 +67,7 @@ def mask_stats(opt_state: Any) -> dict[str, Any]:
     >>> float(magma.mask_stats(state)["active_fraction"]) in (0.0, 1.0)
     True
   """
-  is_mask_state = lambda x: isinstance(x, _MASK_STATES)
+  is_mask_state = _engine.is_mask_state
   found = [
     (jax.tree_util.keystr(path), node)
     for path, node in jax.tree_util.tree_flatten_with_path(

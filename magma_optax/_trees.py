@@ -92,8 +92,8 @@ def map_like(
       every entry that is not ``MaskedNode``; returns the new entry.
     state: an optimizer state (any pytree).
     params_def: ``jax.tree.structure(params)``.
-    other: applied to every leaf outside the parameter-like subtrees (default:
-      unchanged).
+    other: applied to every leaf outside the parameter-like subtrees except
+      ``MaskedNode`` (default: unchanged).
 
   Returns:
     ``state`` with the same structure and the mapped entries.
@@ -105,7 +105,7 @@ def map_like(
   def rebuild(node: Any) -> Any:
     entries = split_like(node, params_def)
     if entries is None:
-      return node if other is None else other(node)
+      return node if other is None or is_masked(node) else other(node)
     new = iter(fn(i, e) for i, e in enumerate(entries) if not is_masked(e))
     return jax.tree.map(
       lambda x: x if is_masked(x) else next(new), node, is_leaf=is_masked

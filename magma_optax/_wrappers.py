@@ -37,9 +37,11 @@ import optax
 
 from magma_optax import _alignment
 from magma_optax import _blocks
+from magma_optax import _engine
 from magma_optax import _masks
 from magma_optax import _schedules
 from magma_optax import _scoping
+from magma_optax import _trees
 
 
 class MaskedUpdateState(NamedTuple):
@@ -93,7 +95,7 @@ def base_momentum(inner_state: Any, like: Any, momentum: Any = "auto") -> list[A
   else:
     candidates = _gradient_emas(inner_state)
   for value in candidates:
-    leaves = _scoping.per_leaf(treedef, value)
+    leaves = _trees.split_like(value, treedef)
     if leaves is None:
       if callable(momentum):
         raise ValueError(
@@ -113,7 +115,7 @@ def magma(
   *,
   tau: _schedules.ScalarOrSchedule = 2.0,
   keep_prob: _schedules.ScalarOrSchedule | dict = 0.5,
-  key: _masks.KeyLike = 0,
+  key: _engine.KeyLike = 0,
   score_decay: float = 0.9,
   init_score: float = 0.5,
   momentum_decay: float = 0.9,
@@ -180,36 +182,30 @@ def magma(
     Joo et al., On Surprising Effectiveness of Masking Updates in Adaptive
     Optimizers, arXiv 2602.15322 (2026), Algorithm 1.
   """
+  arguments = dict(locals())  # the arguments, for from_arguments below
   if not callable(momentum) and momentum not in ("auto", "own"):
     raise ValueError(
       f"momentum must be 'auto', 'own' or a callable inner_state -> pytree like the"
       f" params; got {momentum!r}."
     )
   base = optax.with_extra_args_support(base)
-  align = _alignment.make_alignment(
-    tau=tau,
-    keep_prob=keep_prob,
-    key=key,
-    score_decay=score_decay,
-    init_score=init_score,
-    momentum_decay=momentum_decay,
-    granularity=granularity,
-    stack_axes=stack_axes,
-    where=where,
-    labels=labels,
-    momentum_dtype=momentum_dtype,
+  mask = _engine.BlockMask(
+    _engine.from_arguments(_engine.MaskConfig.create, arguments),
+    _engine.from_arguments(_alignment.AlignmentRule.create, arguments),
   )
 
   def init_fn(params):
     inner = base.init(params)
-    found = base_momentum(inner, params, momentum)
-    own = lambda plan: found[plan.index] is None
-    return MaskedUpdateState(inner, align.init(params, own))
+    return MaskedUpdateState(
+      inner, mask.init(params, base_momentum(inner, params, momentum))
+    )
 
   def update_fn(updates, state, params=None, **extra_args):
     deltas, inner = base.update(updates, state.inner_state, params, **extra_args)
     found = base_momentum(inner, updates, momentum)
-    masked, mask_state = align.step(deltas, updates, found, state.mask_state)
+    masked, mask_state = mask.step(
+      deltas, state.mask_state, signal=updates, momentum=found
+    )
     return masked, MaskedUpdateState(inner, mask_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -219,7 +215,7 @@ def skip_update(
   base: optax.GradientTransformation,
   *,
   keep_prob: _schedules.ScalarOrSchedule | dict = 0.5,
-  key: _masks.KeyLike = 0,
+  key: _engine.KeyLike = 0,
   rescale: bool = True,
   granularity: _blocks.Granularity = "tensor",
   stack_axes: int | None = None,
@@ -261,16 +257,9 @@ def skip_update(
     Joo et al., On Surprising Effectiveness of Masking Updates in Adaptive
     Optimizers, arXiv 2602.15322 (2026), Sec. 3.
   """
+  arguments = dict(locals())  # the arguments, for from_arguments below
   base = optax.with_extra_args_support(base)
-  mask = _masks.bernoulli_mask(
-    keep_prob,
-    key=key,
-    rescale=rescale,
-    granularity=granularity,
-    stack_axes=stack_axes,
-    where=where,
-    labels=labels,
-  )
+  mask = _engine.from_arguments(_masks.bernoulli_mask, arguments)
 
   def init_fn(params):
     return MaskedUpdateState(base.init(params), mask.init(params))

@@ -17,8 +17,8 @@ What users need from this module is the *layout of the state*:
   parameter's shape (Adam's ``mu``/``nu``, the wrapper's own momentum, element-wise
   masks) gets that parameter's sharding; a per-block array (scores and masks of row,
   column, tile or per-layer blocks) gets the parameter's partition spec restricted to
-  the axes that index blocks (replicated when its shape does not say which axes those
-  are); scalars, PRNG keys and everything else are replicated.
+  the axes that index blocks, as the transform declared its block layout; scalars,
+  PRNG keys and everything else are replicated.
 * :func:`init` -- ``tx.init`` under ``jax.jit`` with those ``out_shardings``. A plain
   ``jax.jit(tx.init)`` does not know where zeros should live (``AxisType.Auto``
   meshes put them on one device).
@@ -64,12 +64,10 @@ from jax.sharding import PartitionSpec
 
 from magma_optax import _alignment
 from magma_optax import _blocks
+from magma_optax import _engine
+from magma_optax import _trees
 
 __all__ = ("abstract_state", "block_cosine", "init", "state_shardings")
-
-
-def _is_masked(x: Any) -> bool:
-  return isinstance(x, optax.MaskedNode)
 
 
 def _find_mesh(shardings: list[Any]) -> jax.sharding.Mesh | None:
@@ -87,30 +85,31 @@ def _axis_size(mesh: jax.sharding.Mesh, entry: Any) -> int:
 
 
 def _block_spec(
-  leaf_shape: tuple[int, ...], param_shape: tuple[int, ...], spec: tuple[Any, ...]
+  leaf_shape: tuple[int, ...],
+  param_shape: tuple[int, ...],
+  spec: tuple[Any, ...],
+  declared: set[tuple[int, ...]] | None,
 ) -> tuple[Any, ...] | None:
-  """Partition spec of a per-block array of a parameter, or ``None`` if ambiguous.
+  """Partition spec of a per-block array of a parameter, or ``None`` (replicate).
 
-  Same rank as the parameter: axis i keeps the parameter's entry (tiles: axis i
-  counts the tiles along it; N:M compact storage of :func:`sparse_state`: axis i is
-  the parameter's, shrunk by n/m). Lower rank: the named granularities and stack
-  depths whose block shape matches propose which parameter axes survive; they must
-  agree (``"row"`` and ``"column"`` of a square matrix do not).
+  ``declared``: the parameter axes that the array's axes index, as the transforms
+  declared them at ``init`` (:attr:`BlockLayout.param_axes`); several different
+  declarations for one shape (two transforms with different granularities whose
+  block shapes coincide) are ambiguous. An undeclared array of the parameter's rank
+  (N:M compact storage of :func:`sparse_state`: axis i is the parameter's, shrunk by
+  n/m) keeps the parameter's spec.
   """
-  ndim = len(param_shape)
-  if len(leaf_shape) == ndim:
+  if declared is not None and len(declared) == 1:
+    (axes,) = declared
+    return tuple(spec[a] for a in axes)
+  if declared is None and len(leaf_shape) == len(param_shape):
     return spec
-  candidates = set()
-  for stack_axes in range(ndim + 1):
-    for granularity in ("tensor", "row", "column"):
-      layout = _blocks.block_layout(param_shape, granularity, stack_axes)
-      if layout.block_shape == leaf_shape:
-        kept = [i for i in range(ndim) if i not in layout.reduce_axes]
-        candidates.add(tuple(spec[i] for i in kept))
-  return candidates.pop() if len(candidates) == 1 else None
+  return None
 
 
-def _leaf_sharding(leaf: Any, param: Any, sharding: Any, replicated: Any) -> Any:
+def _leaf_sharding(
+  leaf: Any, param: Any, sharding: Any, replicated: Any, declared: Any
+) -> Any:
   """The sharding of one state leaf that belongs to ``param``'s position."""
   shape = tuple(leaf.shape)
   param_shape = tuple(param.shape)
@@ -119,7 +118,7 @@ def _leaf_sharding(leaf: Any, param: Any, sharding: Any, replicated: Any) -> Any
   if not shape or not isinstance(sharding, NamedSharding):
     return replicated
   spec = tuple(sharding.spec) + (None,) * (len(param_shape) - len(sharding.spec))
-  block_spec = _block_spec(shape, param_shape, spec)
+  block_spec = _block_spec(shape, param_shape, spec, declared)
   if block_spec is None:
     return replicated
   # An axis split unevenly is legal but pads; keep only exact splits.
@@ -162,12 +161,15 @@ def state_shardings(
   matched leaf by leaf to the parameters:
 
   * same shape as the parameter: the parameter's sharding;
-  * a per-block array: the parameter's ``PartitionSpec`` restricted to the axes that
-    index blocks (``"row"`` keeps all but the last axis, ``"column"`` and
-    ``"tensor"`` with ``stack_axes`` keep the stacked axes and the last / only the
-    stacked axes, tiles keep every axis whose block count divides evenly); when the
-    shape cannot tell (``"row"`` vs ``"column"`` of a square matrix) it is
-    replicated -- per-block arrays are small;
+  * a per-block array: the parameter's ``PartitionSpec`` on the axes that index
+    blocks, as the transform declared them at ``init`` (``BlockLayout.param_axes``:
+    ``"row"`` keeps all but the last axis, ``"column"`` and ``"tensor"`` with
+    ``stack_axes`` keep the stacked axes and the last / only the stacked axes, tiles
+    keep every axis, counting tiles), where the block count divides evenly; nothing
+    is guessed from shapes (``"row"`` and ``"column"`` of a square matrix are told
+    apart). Two transforms declaring different layouts of one shape for the same
+    parameter, and undeclared arrays of another rank, are replicated -- per-block
+    arrays are small;
   * anything else (step counts, PRNG keys, active fractions): replicated on the
     mesh.
 
@@ -215,53 +217,22 @@ def state_shardings(
     device = devices.pop() if devices else jax.devices()[0]
     replicated = jax.sharding.SingleDeviceSharding(device)
 
-  # Parameter shardings as a tree, to pair with state subtrees.
-  sharding_tree = jax.tree.unflatten(
-    param_def, list(zip(param_leaves, shardings, strict=True))
-  )
-  is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and hasattr(x[0], "shape")
+  paths = [
+    jax.tree_util.keystr(path)
+    for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+  ]
+  with _engine.declared_layouts() as declared:
+    # A fresh function, so that jax traces init again (a cached trace would not
+    # run the declarations).
+    abstract = jax.eval_shape(lambda p: tx.init(p), params)
 
-  def pairs(node):
-    """``node`` leaf by leaf with its (parameter, sharding), or ``None``.
-
-    ``node`` matches when it has the parameters' structure, except that
-    ``optax.MaskedNode`` may stand for any subtree (as ``optax.masked`` and
-    ``optax.multi_transform`` leave the trees of their groups), and it has at
-    least one array leaf.
-    """
-    try:
-      flat = []
-
-      def visit(x, pair):
-        if _is_masked(x):
-          return x
-        if not is_pair(pair) or isinstance(x, (dict, list, tuple)):
-          raise ValueError("not a parameter leaf")
-        flat.append((x, *pair))
-        return x
-
-      jax.tree.map(visit, node, sharding_tree, is_leaf=_is_masked)
-    except Exception:  # noqa: BLE001  a node that does not match is not a param tree
-      return None
-    return flat or None
-
-  def is_param_tree(node):
-    return pairs(node) is not None
-
-  def assign(node):
-    flat = pairs(node)
-    if flat is None:
-      return replicated
-    out = iter(
-      _leaf_sharding(leaf, param, sharding, replicated)
-      for leaf, param, sharding in flat
-    )
-    return jax.tree.map(
-      lambda x: x if _is_masked(x) else next(out), node, is_leaf=_is_masked
+  def entry(i, leaf):
+    key = (paths[i], tuple(leaf.shape))
+    return _leaf_sharding(
+      leaf, param_leaves[i], shardings[i], replicated, declared.get(key)
     )
 
-  abstract = jax.eval_shape(tx.init, params)
-  return jax.tree.map(assign, abstract, is_leaf=is_param_tree)
+  return _trees.map_like(entry, abstract, param_def, other=lambda x: replicated)
 
 
 def init(

@@ -195,7 +195,10 @@ def _abstract(shape, spec):
     ("tensor", 1, (4, 16, 8), P("x", None, "y"), P("x")),
     ("row", 1, (4, 16, 8), P(None, "x", "y"), P(None, "x")),
     ("column", 1, (4, 16, 8), P(None, "x", "y"), P(None, "y")),
-    ("row", 0, (8, 8), P("x", "y"), P()),  # square: row or column? replicate
+    # A square matrix: the shape cannot tell row from column blocks; the layout
+    # the transform declared does.
+    ("row", 0, (8, 8), P("x", "y"), P("x")),
+    ("column", 0, (8, 8), P("x", "y"), P("y")),
   ],
 )
 def test_state_shardings_of_block_arrays(granularity, stack_axes, shape, spec, want):
@@ -214,6 +217,23 @@ def test_state_shardings_of_block_arrays(granularity, stack_axes, shape, spec, w
     abstract.mask_state.key.dtype
     == jax.eval_shape(tx.init, params).mask_state.key.dtype
   )
+
+
+def test_conflicting_declared_layouts_replicate():
+  # Row blocks in one transform and column blocks in another give (8,) arrays for
+  # the same (8, 8) parameter: each keeps its own declared axes only if the layouts
+  # agree, so here both are replicated (correct, and small).
+  tx = optax.chain(
+    magma.bernoulli_mask(0.5, granularity="row"),
+    magma.bernoulli_mask(0.5, granularity="column"),
+  )
+  params = {"w": _abstract((8, 8), P("x", "y"))}
+  shardings = magma.sharding.state_shardings(tx, params)
+  assert shardings[0].mask["w"].spec == P()
+  assert shardings[1].mask["w"].spec == P()
+  # Positive control: the same chain with one granularity keeps the row axis.
+  tx = optax.chain(magma.bernoulli_mask(0.5, granularity="row"), magma.damping(0.1))
+  assert magma.sharding.state_shardings(tx, params)[0].mask["w"].spec == P("x")
 
 
 def test_state_shardings_of_n_m_compact_storage():

@@ -27,7 +27,9 @@ what it can); the Pallas path first reduces m_{t-1} and g -- which Adam reads an
 
 so the kernel itself makes a single pass. (The derived sums equal the direct ones up
 to float32 rounding; when m_t nearly cancels, the cosine is ill-conditioned either
-way.)
+way.) Either way the output's three sums are the ones the scale was computed from,
+so a caller can evaluate the same function of them again (``adam_magma`` does, for
+its scores) instead of smuggling a value out of the callback.
 
 On XLA:CPU reductions are single-threaded library calls that cannot share a pass
 with the elementwise Adam loops, so every reduction is a separate read. Two things
@@ -232,13 +234,20 @@ def masked_adam(
       grad, mu, nu, hyper, constants, scale=scale, layout=layout,
       param_mask=param_mask, params=params,
     )  # fmt: skip
+  sums = None
   if callable(scale):
-    scale = scale(*derived_sums(layout, mu, grad, b1, param_mask))
-  return partitioned.masked_adam_pallas_partitioned(
+    sums = derived_sums(layout, mu, grad, b1, param_mask)
+    scale = scale(*sums)
+  out = partitioned.masked_adam_pallas_partitioned(
     grad, mu, nu, hyper, constants, scale=scale, layout=layout,
     param_mask=param_mask, params=params, block_sizes=block_sizes,
     interpret=interpret,
   )  # fmt: skip
+  if sums is None:
+    return out
+  # With a callable scale, every path returns the sums that the scale was computed
+  # from (here: derived before the kernel), so a caller can recompute what it saw.
+  return out._replace(mu_dot_grad=sums[0], mu_sq_norm=sums[1], grad_sq_norm=sums[2])
 
 
 def carried_sums(
