@@ -71,8 +71,8 @@ import jax.numpy as jnp
 import optax
 
 from magma_optax import _compat
-from magma_optax import _periodic
 from magma_optax import _scoping
+from magma_optax import _topk
 
 MODES = ("skip", "compact", "offload")
 DEFAULT_DENSITY_THRESHOLD = 0.6
@@ -409,7 +409,7 @@ def sparse_state(
   if mode not in MODES:
     raise ValueError(f"mode must be one of {MODES}; got {mode!r}.")
   if structure is not None:
-    structure = _periodic.validate_nm_structure(structure)
+    structure = _topk.validate_nm_structure(structure)
     if density is not None:
       raise ValueError("give density or structure, not both.")
   if density is not None and not (

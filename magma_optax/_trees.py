@@ -15,6 +15,20 @@ storage of a base optimizer's moments, host offload -- finds them here:
 A node is parameter-like when it has the parameters' tree structure, except that
 ``MaskedNode`` may stand for any subtree, and it holds at least one non-``MaskedNode``
 entry (an empty node is like every leafless tree, so it proves nothing).
+
+Example:
+  >>> import jax, jax.numpy as jnp, optax
+  >>> from magma_optax import _trees
+  >>> params = {"a": jnp.ones(2), "b": jnp.ones(3)}
+  >>> state = optax.adam(1e-3).init(params)
+  >>> params_def = jax.tree.structure(params)
+  >>> [e.shape for e in _trees.split_like(state[0].mu, params_def)]
+  [(2,), (3,)]
+  >>> _trees.split_like(state[0].count, params_def) is None
+  True
+  >>> shifted = _trees.map_like(lambda i, x: x + i, state, params_def)
+  >>> shifted[0].nu["b"].tolist()
+  [1.0, 1.0, 1.0]
 """
 
 from __future__ import annotations
