@@ -527,3 +527,30 @@ def test_zero_size_leaves(ranking):
   u, state = jax.jit(tx.update)(params, tx.init(params), params)
   assert u["e"].shape == (0, 4)
   assert int(np.sum(np.asarray(state.mask["w"]))) == 8
+
+
+def test_regrown_moments_reset_inside_masked_subtrees():
+  # optax.masked with a mask prefix puts a MaskedNode in place of the whole "b"
+  # subtree of Adam's moments; the regrowth reset must still find mu and nu (the
+  # moments were skipped when found by exact structure only).
+  b1 = 0.9
+  params = {"a": jnp.ones(8), "b": {"c": jnp.ones(2), "d": jnp.ones(2)}}
+  inner = optax.masked(optax.adam(0.01, b1=b1), {"a": True, "b": False})
+  tx = magma.periodic_mask(
+    inner, sparsity=0.5, every=1, importance=lambda p, g: jnp.abs(g)
+  )
+  state, step = tx.init(params), jax.jit(tx.update)
+  assert isinstance(state.inner_state.inner_state[0].mu["b"], optax.MaskedNode)
+  seen_regrowth = False
+  for t in range(4):
+    g = jnp.asarray(np.random.default_rng(t).normal(size=8), jnp.float32)
+    grads = {"a": g, "b": {"c": jnp.ones(2), "d": jnp.ones(2)}}
+    old_mask = np.asarray(state.mask["a"])
+    mu0 = np.asarray(state.inner_state.inner_state[0].mu["a"])
+    _, state = step(grads, state, params)
+    regrown = np.asarray(state.mask["a"]) & ~old_mask
+    seen_regrowth |= bool(regrown.any())
+    want = np.where(regrown, 0.0, mu0) * b1 + (1 - b1) * np.asarray(g)
+    mu1 = np.asarray(state.inner_state.inner_state[0].mu["a"])
+    np.testing.assert_allclose(mu1, want, rtol=1e-6, atol=1e-7)
+  assert seen_regrowth
