@@ -322,7 +322,7 @@ def periodic_mask(
     target = _schedules.evaluate_fraction(sparsity, count)
 
     scoped = [i for i, p in enumerate(plans) if p.layout is not None]
-    total = max(sum(old[i].size for i in scoped), 1)
+    total = sum(old[i].size for i in scoped)
 
     # The refresh runs through _run_if, not a cond: on other steps the masks and
     # the inner state pass through untouched, where a cond would copy every mask
@@ -344,7 +344,9 @@ def periodic_mask(
         lambda s: reset_moments(s, regrown, treedef, moment_names),
         inner_state,
       )
-      return masks, inner_state, target, num, 1.0 - kept / total
+      # No scoped entry (only zero-size leaves): nothing is pruned.
+      pruned = (total - kept) / max(total, 1)
+      return masks, inner_state, target, num, pruned
 
     masks, inner_state, target_now, num_regrown, sparsity_now = _run_if(
       is_refresh,

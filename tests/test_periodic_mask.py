@@ -554,3 +554,12 @@ def test_regrown_moments_reset_inside_masked_subtrees():
     mu1 = np.asarray(state.inner_state.inner_state[0].mu["a"])
     np.testing.assert_allclose(mu1, want, rtol=1e-6, atol=1e-7)
   assert seen_regrowth
+
+
+def test_only_zero_size_leaves_prune_nothing():
+  params = {"e": jnp.zeros((0, 4))}
+  tx = magma.periodic_mask(optax.adam(0.1), sparsity=0.5, every=1, ranking="global")
+  u, state = jax.jit(tx.update)(params, tx.init(params), params)
+  assert u["e"].shape == (0, 4)
+  assert float(state.sparsity) == 0.0  # was 1.0: 1 - 0 kept / max(0, 1)
+  assert float(state.target_sparsity) == 0.5
