@@ -6,10 +6,11 @@ inner optimizer and, every ``every`` steps between ``start`` and ``end``, recomp
 boolean mask per parameter leaf: importance scores (:mod:`magma_optax._importance`;
 default ``|W| * |g|``), then an exact top-k per leaf or over all scoped leaves, or N:M
 groups (:mod:`magma_optax._topk`), at a target sparsity that may ramp
-(:mod:`magma_optax._sparsity`). At target sparsity ``s`` a leaf of ``n`` entries keeps
-``n - round(s * n)`` of them (``ranking="global"``: the same count over all scoped
-entries together); ties go to the higher score, then to entries active in the
-current mask, then to the lower flat index.
+(:mod:`magma_optax._sparsity`). At target sparsity ``s`` a leaf of ``n`` entries
+keeps ``n - round(s * n)`` of them (``ranking="global"``: the same count over all
+scoped entries together); ties go to the higher score, then to entries active in the
+current mask, then to the lower flat index. With ``block=(r, c)`` the same holds for
+whole ``r x c`` tiles of the last two axes, ranked by their summed importance.
 
 Purity: the wrapper emits ``u = where(mask, u_inner, -p)`` so that
 ``optax.apply_updates(p, u) == mask * (p + u_inner)`` *exactly* (``p + (-p)`` is an
@@ -135,6 +136,7 @@ def periodic_mask(
   every: int,
   importance: _importance.Importance = "magnitude_grad",
   structure: tuple[int, int] | None = None,
+  block: tuple[int, int] | None = None,
   schedule: str | None = None,
   start: int = 0,
   end: int | None = None,
@@ -149,6 +151,7 @@ def periodic_mask(
 
       S     = importance(W_t, g_t)                 (default |W| * |g|, per entry)
       M_t   = top-k(S) per leaf                    (k = n - round(s_t n); or N:M)
+              (block=(r, c): top-k of the tile sums of S, n the number of tiles)
       reset inner moments where M_t & ~M_{t-1}     (regrown weights start fresh)
 
   and at every step, with ``M`` the current mask::
@@ -171,6 +174,13 @@ def periodic_mask(
       callable ``(param, grad) -> scores`` of the parameter's shape (higher = keep).
     structure: ``(n, m)`` with 1 <= n <= m for N:M sparsity along ``axis``;
       ``None`` for unstructured top-k.
+    block: ``(r, c)`` to prune whole ``r x c`` tiles over the last two axes: a
+      tile's importance is the sum of its entries' scores, and the exact top-k
+      (per leaf or ``"global"``) keeps ``T - round(s T)`` of a leaf's ``T`` tiles
+      (ties as for entries: active tiles first, then the lower tile index in
+      row-major order of the tile grid). Every pruned leaf needs >= 2 axes with
+      the last two multiples of ``(r, c)`` (a ``ValueError`` at ``init`` names the
+      leaf otherwise; scope such leaves out with ``where``). ``None``: entries.
     schedule: ``None``/``"constant"`` (the target is ``sparsity`` from ``start``),
       ``"linear"`` or ``"cubic"``: ramp from 0 at ``start`` to ``sparsity`` at
       ``end`` (needs a float ``sparsity`` and ``end``).
@@ -224,6 +234,13 @@ def periodic_mask(
   schedule = _sparsity.validate_ramp(schedule)
   if isinstance(axis, bool) or not isinstance(axis, int):
     raise ValueError(f"axis must be an int; got {axis!r}.{hint}")
+  if block is not None:
+    block = _topk.validate_block(block)
+    if structure is not None:
+      raise ValueError(
+        f"give structure (N:M groups) or block (tiles), not both; got"
+        f" structure={structure!r}, block={block!r}."
+      )
   if structure is not None:
     structure = _topk.validate_nm_structure(structure)
     if sparsity is not None and not _schedules.is_schedule(sparsity):
@@ -248,11 +265,15 @@ def periodic_mask(
     plans, treedef = _scoping.plan_scope(tree, where=where)
     return plans, treedef
 
-  def check_structure(plans, leaves):
+  def check_structure(plans, params):
+    paths_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    for p, (path, x) in zip(plans, paths_leaves, strict=True):
+      if p.layout is not None and block is not None:
+        _topk.check_tiles(jnp.shape(x), block, jax.tree_util.keystr(path))
     if structure is None:
       return
     m = structure[1]
-    for p, x in zip(plans, leaves, strict=True):
+    for p, (_, x) in zip(plans, paths_leaves, strict=True):
       if p.layout is None:
         continue
       shape = jnp.shape(x)
@@ -266,7 +287,7 @@ def periodic_mask(
   def init_fn(params):
     plans, treedef = plan(params)
     leaves = treedef.flatten_up_to(params)
-    check_structure(plans, leaves)
+    check_structure(plans, params)
     masks = [
       optax.MaskedNode() if p.layout is None else jnp.ones(jnp.shape(x), jnp.bool_)
       for p, x in zip(plans, leaves, strict=True)
@@ -288,6 +309,10 @@ def periodic_mask(
       if p.layout is not None and math.prod(p.layout.shape) > 0
     ]
     scores = {i: _importance.scores(importance, params[i], grads[i]) for i in idx}
+    active = {i: old[i] for i in idx}
+    if block is not None:  # rank tiles: their summed scores, active if any entry is
+      scores = {i: _topk.tile_sum(scores[i], block) for i in idx}
+      active = {i: _topk.tile_any(old[i], block) for i in idx}
     out = list(old)
     if structure is not None:
       for i in idx:
@@ -295,14 +320,17 @@ def periodic_mask(
     elif ranking == "per_leaf":
       for i in idx:
         k = _topk.num_keep(target, scores[i].size)
-        out[i] = _top_k_mask(scores[i], old[i], k)
+        out[i] = _top_k_mask(scores[i], active[i], k)
     elif idx:
       n = sum(scores[i].size for i in idx)
       keep = _top_k_masks(
-        [scores[i] for i in idx], [old[i] for i in idx], _topk.num_keep(target, n)
+        [scores[i] for i in idx], [active[i] for i in idx], _topk.num_keep(target, n)
       )
       for i, m in zip(idx, keep, strict=True):
         out[i] = m
+    if block is not None:
+      for i in idx:
+        out[i] = _topk.untile(out[i], block)
     return out
 
   def update_fn(updates, state, params=None, **extra_args):

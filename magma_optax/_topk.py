@@ -14,7 +14,9 @@ the ~4096-entry sample is). :func:`count_true` is the counting pass, tuned for
 XLA:CPU.
 
 :func:`n_m_mask` is the N:M variant: every group of ``m`` consecutive entries along
-an axis keeps exactly ``n``, with the same tie-breaking inside a group.
+an axis keeps exactly ``n``, with the same tie-breaking inside a group. Tiles
+(:func:`tile_sum`, :func:`tile_any`, :func:`untile`) rank whole ``r x c`` tiles of
+the last two axes with the same search: one summed score per tile.
 
 Example:
   >>> import jax.numpy as jnp
@@ -376,3 +378,55 @@ def validate_nm_structure(structure: Any) -> tuple[int, int]:
       f" every m); got {structure!r}."
     )
   return tuple(structure)
+
+
+def validate_block(block: Any) -> tuple[int, int]:
+  """Checks a tile shape ``(r, c)``: positive ints."""
+  ok = (
+    isinstance(block, tuple | list)
+    and len(block) == 2
+    and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in block)
+  )
+  if not ok:
+    raise ValueError(
+      f"block must be None or (r, c) ints >= 1 (tiles of r x c entries over the"
+      f" last two axes); got {block!r}."
+    )
+  return tuple(block)
+
+
+def check_tiles(shape: tuple[int, ...], block: tuple[int, int], name: str) -> None:
+  """Raises ``ValueError`` unless ``block`` tiles the last two axes of ``shape``."""
+  r, c = block
+  if len(shape) < 2 or shape[-2] % r or shape[-1] % c:
+    raise ValueError(
+      f"block={block} prunes r x c tiles over the last two axes, so every pruned"
+      f" leaf needs >= 2 axes with the last two multiples of ({r}, {c}); leaf"
+      f" {name} has shape {shape}. Scope it out with `where` (e.g."
+      " where=magma.attention_mlp_weights) or choose another block."
+    )
+
+
+def _tiled(x: jax.Array, block: tuple[int, int]) -> jax.Array:
+  r, c = block
+  *lead, rows, cols = x.shape
+  return x.reshape(*lead, rows // r, r, cols // c, c)
+
+
+def tile_sum(score: jax.Array, block: tuple[int, int]) -> jax.Array:
+  """Sum of ``score`` per ``r x c`` tile of the last two axes (``-inf`` for NaN)."""
+  s = jnp.sum(_tiled(score, block), axis=(-3, -1))
+  return jnp.where(jnp.isnan(s), -jnp.inf, s) + 0.0  # +inf + -inf, -0.0
+
+
+def tile_any(mask: jax.Array, block: tuple[int, int]) -> jax.Array:
+  """Whether any entry of each ``r x c`` tile is set."""
+  return jnp.any(_tiled(mask, block), axis=(-3, -1))
+
+
+def untile(tile_mask: jax.Array, block: tuple[int, int]) -> jax.Array:
+  """A per-tile mask spread over the entries of its tiles."""
+  r, c = block
+  *lead, rows, cols = tile_mask.shape
+  full = jnp.broadcast_to(tile_mask[..., :, None, :, None], (*lead, rows, r, cols, c))
+  return full.reshape(*lead, rows * r, cols * c)
