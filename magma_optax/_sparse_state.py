@@ -43,8 +43,8 @@ runs the same sequence of calls for every leaf. The base state's per-entry subtr
 are found with :func:`magma_optax._trees.map_like` (at the stored shapes).
 
 **Auto-dense.** Compact storage costs the active entries plus bookkeeping and a gather
-/ scatter per step; above a density of ``density_threshold`` (default 0.6, the seed's
-figure) it saves little memory and costs time, so such leaves use skip storage
+/ scatter per step; above a density of ``density_threshold`` (default 0.6, a rule
+of thumb) it saves little memory and costs time, so such leaves use skip storage
 automatically. Leaves outside ``where`` are plain dense (their update is the base's).
 
 **Offload** (``mode="offload"``): skip storage plus a per-leaf counter of consecutive
