@@ -19,9 +19,7 @@ from magma_optax._masked_decay import masked_weight_decay
 from magma_optax._masks import BernoulliMaskState
 from magma_optax._masks import bernoulli_mask
 from magma_optax._periodic import PeriodicMaskState
-from magma_optax._periodic import linear_sparsity_schedule
 from magma_optax._periodic import periodic_mask
-from magma_optax._periodic import polynomial_sparsity_schedule
 from magma_optax._scope_report import ScopeReport
 from magma_optax._scope_report import ScopeRow
 from magma_optax._scope_report import scope_report
@@ -29,6 +27,8 @@ from magma_optax._sparse_state import SparseState
 from magma_optax._sparse_state import host_offload_available
 from magma_optax._sparse_state import offload_sparse_state
 from magma_optax._sparse_state import sparse_state
+from magma_optax._sparsity import linear_sparsity_schedule
+from magma_optax._sparsity import polynomial_sparsity_schedule
 from magma_optax._stats import mask_stats
 from magma_optax._wrappers import MaskedUpdateState
 from magma_optax._wrappers import magma

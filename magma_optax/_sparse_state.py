@@ -11,9 +11,15 @@ transform). Per scoped leaf, one of two storages is used:
   entries, gathered from the gradient and scattered back into the update
   (at the indices of the active entries, ``capacity`` of them, so shapes are static
   under ``jax.jit``). The capacity is ``ceil(density * size)``.
-  A mask with more active entries than the capacity is an error: a ``ValueError``
-  when the mask is concrete, and a runtime error whose message says "capacity
-  overflow" under ``jax.jit`` (raised from a host callback that runs only then).
+  A mask with more active entries than the capacity is an error naming the leaf,
+  the counts and ``density``: a ``ValueError`` raised before the step computes
+  anything when the mask is concrete (``update`` outside ``jax.jit``). Under
+  ``jax.jit`` the count exists only when the compiled step runs, and such a step
+  can fail only through the runtime: the same ``ValueError``, raised from a host
+  callback, arrives as a ``jax.errors.JaxRuntimeError`` ("INTERNAL: CpuCallback
+  error ...") whose last line is the message, and the step returns nothing. (With
+  donated buffers the donated inputs are gone too: to debug, run one step
+  without jit.)
   Size ``density`` for the *densest* mask of the run: under a sparsity ramp the early
   masks are dense, so use skip storage until the ramp ends (or start sparse).
   When the mask changes, moments of entries that stay active move to their new slot
@@ -30,9 +36,15 @@ transform). Per scoped leaf, one of two storages is used:
   makes it faster than flat compact storage. A group with more than ``n`` active
   entries is a capacity overflow (the same errors as above).
 
+Each storage is a small class behind one interface (``_Storage``: ``init_leaf``,
+``stored_shape``, ``prepare``, ``remap``, ``gather``, ``freeze``, ``scatter``, and
+``load`` / ``unload`` for offload); the factory picks one per leaf, and the update
+runs the same sequence of calls for every leaf. The base state's per-entry subtrees
+are found with :func:`magma_optax._trees.map_like` (at the stored shapes).
+
 **Auto-dense.** Compact storage costs the active entries plus bookkeeping and a gather
-/ scatter per step; above a density of ``density_threshold`` (default 0.6, the seed's
-figure) it saves little memory and costs time, so such leaves use skip storage
+/ scatter per step; above a density of ``density_threshold`` (default 0.6, a rule
+of thumb) it saves little memory and costs time, so such leaves use skip storage
 automatically. Leaves outside ``where`` are plain dense (their update is the base's).
 
 **Offload** (``mode="offload"``): skip storage plus a per-leaf counter of consecutive
@@ -71,8 +83,9 @@ import jax.numpy as jnp
 import optax
 
 from magma_optax import _compat
-from magma_optax import _periodic
 from magma_optax import _scoping
+from magma_optax import _topk
+from magma_optax import _trees
 
 MODES = ("skip", "compact", "offload")
 DEFAULT_DENSITY_THRESHOLD = 0.6
@@ -80,10 +93,6 @@ HOST_MEMORY_KIND = "pinned_host"
 
 # jax.memory.Space (jax >= 0.10) names memory spaces inside jit; absent -> no offload.
 _SPACE = getattr(getattr(jax, "memory", None), "Space", None)
-
-
-def _is_masked(x: Any) -> bool:
-  return isinstance(x, optax.MaskedNode)
 
 
 def _memory_space(x: Any) -> Any:
@@ -218,13 +227,6 @@ class _Groups(NamedTuple):
     return self._join(((b >> shift) & 1).astype(jnp.bool_))
 
 
-class _Leaf(NamedTuple):
-  kind: str  # "plain" (unscoped), "skip", "compact" (flat) or "grouped" (N:M)
-  size: int
-  capacity: int
-  groups: _Groups | None = None
-
-
 def _active_indices(flat_mask: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
   """``jnp.nonzero(flat_mask, size=size, fill_value=len(flat_mask))[0]``, faster, and
   the number of active entries (int32).
@@ -277,62 +279,272 @@ def _capacity(size: int, density: float | None, structure) -> int:
   return min(size, max(1, math.ceil(density * size)))
 
 
-def _raise_overflow(active, capacity):
-  raise ValueError(
-    f"sparse_state compact capacity overflow: a parameter mask has {int(active)}"
-    f" active entries but the compact storage holds {int(capacity)}; raise"
-    " `density` (or use mode='skip')."
-  )
+def _check_capacity(active: jax.Array, limit: int, describe) -> None:
+  """Raises ``ValueError(describe(active))`` if ``active > limit``.
 
-
-def _raise_group_overflow(active, n, m):
-  raise ValueError(
-    f"sparse_state compact capacity overflow: a group of {int(m)} entries has"
-    f" {int(active)} active but structure=({int(n)}, {int(m)}) stores {int(n)};"
-    " the mask is not N:M along `axis` (give periodic_mask the same structure and"
-    " axis, or use mode='skip')."
-  )
-
-
-def _check(active, limit, raise_fn, *args):
-  """``raise_fn(active, *args)`` if ``active > limit``; at run time under jit."""
-  if _compat.is_tracer(active):
-    jax.lax.cond(
-      active > limit,
-      lambda: jax.debug.callback(raise_fn, active, *args),
-      lambda: None,
-    )
-  elif int(active) > limit:
-    raise_fn(active, *args)
-
-
-def _per_entry_map(fn, shapes, treedef, *trees):
-  """Maps ``fn(i, *leaves)`` over per-entry subtrees of ``trees``; keeps the rest.
-
-  A per-entry subtree has the stored tree's structure (``MaskedNode`` allowed) and
-  each array leaf the stored leaf's shape. Other leaves come from ``trees[0]``.
+  With a concrete mask (``update`` called outside ``jax.jit``) the error is raised
+  here, before the step computes anything. Under ``jax.jit`` the count is only
+  known when the step runs, and a compiled step can only fail through the runtime:
+  a host callback raises the same ``ValueError``, which JAX reports as a
+  ``JaxRuntimeError`` ("INTERNAL: CpuCallback error ...") whose last line is this
+  message; the step returns nothing, so no overflowing state reaches the caller.
   """
 
-  def is_per_entry(node):
-    leaves = _scoping.per_leaf(treedef, node)
-    if leaves is None:
-      return False
-    return all(
-      _is_masked(x) or (hasattr(x, "shape") and tuple(x.shape) == s)
-      for x, s in zip(leaves, shapes, strict=True)
+  def fail(a):
+    raise ValueError(describe(int(a)))
+
+  if _compat.is_tracer(active):
+    jax.lax.cond(active > limit, lambda: jax.debug.callback(fail, active), lambda: None)
+  elif int(active) > limit:
+    fail(active)
+
+
+class _Storage:
+  """How one leaf's base state is kept: the interface, and the unscoped case.
+
+  :func:`sparse_state` picks one storage per leaf from the leaf's shape and the
+  factory's arguments (the same at ``init`` and ``update``). ``init`` asks it for
+  the stored leaf and its bookkeeping bits; ``update`` calls, per leaf and in this
+  order:
+
+  1. ``prepare(mask, bits, grad)``: the step's view of the mask (``ctx``: compact
+     indices or N:M slots), the new bits, and whether the stored set changed
+     (``None``: never, for dense storage); capacity overflows are raised here;
+  2. ``remap(ctx, x, bits)``, only when some leaf's stored set changed: moves a
+     stored base-state entry to the new slots (regrown entries start from zero);
+  3. ``load(x, active)``: brings a host-resident entry to the device (offload);
+  4. ``gather(ctx, x)``: leaf-shaped gradient or parameter -> stored shape;
+  5. the base's update on the stored tree, with ``stored_mask(ctx, mask)``;
+  6. ``freeze(ctx, mask, new, old)``: keeps frozen entries of the new base state;
+  7. ``unload(new, orig, active)``: puts a host-resident entry back (offload);
+  8. ``scatter(ctx, mask, u)``: stored-shaped update -> leaf-shaped, zero where
+     inactive.
+
+  This base class is dense storage for a leaf outside ``where``: it takes no mask
+  and every method passes its input through.
+  """
+
+  scoped = False  # the leaf takes a mask
+  needs_mask = False  # the step cannot run without one
+  tracks_cold = False  # counts all-inactive steps (offload)
+
+  def __init__(self, shape: tuple[int, ...], name: str):
+    self.shape = tuple(shape)
+    self.size = math.prod(self.shape)
+    self.name = name  # the leaf's key path, for error messages
+
+  @property
+  def stored_shape(self) -> tuple[int, ...]:
+    return self.shape
+
+  def init_leaf(self, x: jax.Array) -> jax.Array:
+    return x
+
+  def init_bits(self) -> Any:
+    return optax.MaskedNode()
+
+  def prepare(self, mask, bits, grad):
+    del mask, grad
+    return None, bits, None
+
+  def remap(self, ctx, x, bits):
+    del ctx, bits
+    return x
+
+  def load(self, x, active):
+    del active
+    return x
+
+  def gather(self, ctx, x):
+    del ctx
+    return x
+
+  def stored_mask(self, ctx, mask):
+    del ctx
+    return optax.MaskedNode() if mask is None else mask
+
+  def freeze(self, ctx, mask, new, old):
+    del ctx, mask, old
+    return new
+
+  def unload(self, new, orig, active):
+    del orig, active
+    return new
+
+  def scatter(self, ctx, mask, u):
+    del ctx, mask
+    return u
+
+
+class _Skip(_Storage):
+  """Dense storage, masked: inactive entries keep their state, their update is 0."""
+
+  scoped = True
+
+  def freeze(self, ctx, mask, new, old):
+    del ctx
+    return new if mask is None else jnp.where(mask, new, old)
+
+  def scatter(self, ctx, mask, u):
+    del ctx
+    return u if mask is None else jnp.where(mask, u, jnp.zeros([], u.dtype))
+
+
+class _Offload(_Skip):
+  """Skip storage whose entries may live in host memory while the leaf is cold.
+
+  A host-resident entry is copied to the device, updated and copied back only when
+  the leaf's mask has an active entry (a ``lax.cond``); otherwise it stays put.
+  """
+
+  tracks_cold = True
+
+  def load(self, x, active):
+    if not _on_host(x):
+      return x
+    return jax.lax.cond(
+      True if active is None else active,
+      lambda: jax.device_put(x, _SPACE.Device),
+      lambda: jnp.zeros(x.shape, x.dtype),
     )
 
-  def combine(first, *rest):
-    if not is_per_entry(first):
-      return first
-    flat = [treedef.flatten_up_to(t) for t in (first, *rest)]
-    out = [
-      x[0] if _is_masked(x[0]) else fn(i, *x)
-      for i, x in enumerate(zip(*flat, strict=True))
-    ]
-    return treedef.unflatten(out)
+  def unload(self, new, orig, active):
+    if not _on_host(orig):
+      return new
+    return jax.lax.cond(
+      True if active is None else active,
+      lambda: jax.device_put(new, _SPACE.Host),
+      lambda: orig,
+    )
 
-  return jax.tree.map(combine, *trees, is_leaf=is_per_entry)
+
+class _Compact(_Storage):
+  """Flat compact storage: a ``(capacity,)`` vector of the active entries.
+
+  Slot ``j`` holds the ``j``-th active entry in flat-index order; the stored set
+  is kept as packed bits (1 bit per entry).
+  """
+
+  scoped = True
+  needs_mask = True
+
+  def __init__(self, shape, name, capacity: int, limit: str):
+    super().__init__(shape, name)
+    self.capacity = capacity
+    self.limit = limit  # how the capacity was set, for the overflow message
+
+  @property
+  def stored_shape(self):
+    return (self.capacity,)
+
+  def init_leaf(self, x):
+    return jnp.zeros(self.stored_shape, x.dtype)
+
+  def init_bits(self):
+    return jnp.zeros(((self.size + 7) // 8,), jnp.uint8)
+
+  def _overflow(self, active: int) -> str:
+    return (
+      f"sparse_state compact capacity overflow: leaf {self.name} (size"
+      f" {self.size}) has {active} active entries in its parameter mask, more than"
+      f" its compact storage holds: capacity {self.limit} = {self.capacity}."
+      f" Raise `density` to at least {active / self.size:.4g} (the densest mask"
+      " of the run: under a sparsity ramp, the early masks), or use mode='skip'."
+    )
+
+  def prepare(self, mask, bits, grad):
+    axes = _explicit_axes(grad) | _explicit_axes(mask)
+    if axes:
+      raise ValueError(
+        f"sparse_state: unstructured compact storage does not support leaves"
+        f" sharded over Explicit mesh axes ({sorted(axes)}): it keeps one flat"
+        " vector per leaf. Use mode='skip', or N:M compact storage"
+        " (structure=(n, m)), which keeps the parameter's sharding."
+      )
+    flat = mask.reshape(-1)
+    idx, n_active = _active_indices(flat, self.capacity)
+    _check_capacity(n_active, self.capacity, self._overflow)
+    new_bits = jnp.packbits(flat)
+    return idx, new_bits, jnp.any(new_bits != bits)
+
+  def remap(self, ctx, x, bits):
+    old_mask = jnp.unpackbits(bits, count=self.size).astype(jnp.bool_)
+    old_idx, _ = _active_indices(old_mask, self.capacity)
+    pos = jnp.clip(jnp.searchsorted(old_idx, ctx), 0, x.shape[0] - 1)
+    found = (old_idx[pos] == ctx) & (ctx < self.size)
+    return jnp.where(found, x[pos], jnp.zeros([], x.dtype))
+
+  def gather(self, ctx, x):
+    return jnp.take(
+      x.reshape(-1), ctx, mode="fill", fill_value=0, indices_are_sorted=True
+    )
+
+  def stored_mask(self, ctx, mask):
+    del mask
+    return ctx < self.size
+
+  def scatter(self, ctx, mask, u):
+    del mask
+    full = (
+      jnp.zeros((self.size,), u.dtype)
+      .at[ctx]
+      .set(u, mode="drop", indices_are_sorted=True)
+    )
+    return full.reshape(self.shape)
+
+
+class _Grouped(_Storage):
+  """N:M compact storage (:class:`_Groups`): ``n`` slots per group of ``m``."""
+
+  scoped = True
+  needs_mask = True
+
+  def __init__(self, shape, name, groups: _Groups):
+    super().__init__(shape, name)
+    self.groups = groups
+
+  @property
+  def stored_shape(self):
+    return self.groups.stored_shape
+
+  def init_leaf(self, x):
+    return jnp.zeros(self.stored_shape, x.dtype)
+
+  def init_bits(self):
+    return jnp.zeros(self.groups.bits_shape, self.groups.bits_dtype)
+
+  def _overflow(self, active: int) -> str:
+    g = self.groups
+    return (
+      f"sparse_state compact capacity overflow: a group of {g.m} entries has"
+      f" {active} active but structure=({g.n}, {g.m}) stores {g.n} (leaf"
+      f" {self.name}, groups along axis {g.axis}); the mask is not N:M along"
+      " `axis` (give periodic_mask the same structure and axis, or use"
+      " mode='skip')."
+    )
+
+  def prepare(self, mask, bits, grad):
+    del grad
+    g = self.groups
+    slots = g.slots(mask)
+    _check_capacity(jnp.max(g.per_group(mask)), g.n, self._overflow)
+    new_bits = g.pack(mask)
+    return slots, new_bits, jnp.any(new_bits != bits)
+
+  def remap(self, ctx, x, bits):
+    g = self.groups
+    return g.compact(g.expand(x, g.slots(g.unpack(bits))), ctx)
+
+  def gather(self, ctx, x):
+    return self.groups.compact(x, ctx)
+
+  def stored_mask(self, ctx, mask):
+    del mask
+    return self.groups.filled(ctx)
+
+  def scatter(self, ctx, mask, u):
+    del mask
+    return self.groups.expand(u, ctx)
 
 
 def sparse_state(
@@ -409,7 +621,7 @@ def sparse_state(
   if mode not in MODES:
     raise ValueError(f"mode must be one of {MODES}; got {mode!r}.")
   if structure is not None:
-    structure = _periodic.validate_nm_structure(structure)
+    structure = _topk.validate_nm_structure(structure)
     if density is not None:
       raise ValueError("give density or structure, not both.")
   if density is not None and not (
@@ -442,6 +654,8 @@ def sparse_state(
       " static_args=('axis', 'offload_after').)"
     )
   base = optax.with_extra_args_support(base)
+  # Chosen once: the storage of a scoped leaf that is not compact.
+  dense_storage = _Offload if mode == "offload" else _Skip
 
   def groups_of(shape):
     ndim = len(shape)
@@ -453,234 +667,151 @@ def sparse_state(
       )
     return _Groups(tuple(shape), axis % ndim, *structure)
 
-  def leaf_plans(tree):
+  def storage_of(plan, path, x):
+    shape = tuple(jnp.shape(x))
+    name = jax.tree_util.keystr(path)
+    if plan.layout is None:
+      return _Storage(shape, name)
+    size = math.prod(shape)
+    if mode == "compact" and size > 0:
+      groups = None if structure is None else groups_of(shape)
+      cap = _capacity(size, density, structure)
+      if cap <= density_threshold * size:
+        if groups is not None and groups.m <= 32:
+          return _Grouped(shape, name, groups)
+        limit = (
+          f"ceil(density * size) = ceil({density} * {size})"
+          if structure is None
+          else f"size * n / m = {size} * {structure[0]} / {structure[1]}"
+        )
+        return _Compact(shape, name, cap, limit)
+    return dense_storage(shape, name)
+
+  def storages_of(tree):
     plans, treedef = _scoping.plan_scope(tree, where=where)
-    out = []
-    for p, x in zip(plans, treedef.flatten_up_to(tree), strict=True):
-      size = int(math.prod(jnp.shape(x)))
-      if p.layout is None:
-        out.append(_Leaf("plain", size, size))
-        continue
-      if mode == "compact" and size > 0:
-        groups = None if structure is None else groups_of(tuple(jnp.shape(x)))
-        cap = _capacity(size, density, structure)
-        if cap <= density_threshold * size:
-          if groups is not None and groups.m <= 32:
-            out.append(_Leaf("grouped", size, cap, groups))
-          else:
-            out.append(_Leaf("compact", size, cap))
-          continue
-      out.append(_Leaf("skip", size, size))
-    return out, treedef
-
-  def stored_shape(lf, x):
-    if lf.kind == "compact":
-      return (lf.capacity,)
-    if lf.kind == "grouped":
-      return lf.groups.stored_shape
-    return tuple(jnp.shape(x))
-
-  def stored_shapes(leaves, tree_leaves):
-    return [stored_shape(lf, x) for lf, x in zip(leaves, tree_leaves, strict=True)]
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    leaves = treedef.flatten_up_to(tree)
+    storages = [
+      storage_of(plan, path, x)
+      for plan, path, x in zip(plans, paths, leaves, strict=True)
+    ]
+    return storages, treedef
 
   def init_fn(params):
-    leaves, treedef = leaf_plans(params)
+    storages, treedef = storages_of(params)
     flat = treedef.flatten_up_to(params)
-    stored = [
-      x if lf.kind in ("plain", "skip") else jnp.zeros(stored_shape(lf, x), x.dtype)
-      for lf, x in zip(leaves, flat, strict=True)
-    ]
-
-    def no_bits(lf):
-      if lf.kind == "compact":
-        return jnp.zeros(((lf.size + 7) // 8,), jnp.uint8)
-      if lf.kind == "grouped":
-        return jnp.zeros(lf.groups.bits_shape, lf.groups.bits_dtype)
-      return optax.MaskedNode()
-
-    bits = [no_bits(lf) for lf in leaves]
-    offload = mode == "offload"
+    stored = [s.init_leaf(x) for s, x in zip(storages, flat, strict=True)]
     steps = [
-      jnp.zeros([], jnp.int32) if offload and lf.kind != "plain" else None
-      for lf in leaves
+      jnp.zeros([], jnp.int32) if s.tracks_cold else optax.MaskedNode()
+      for s in storages
     ]
     return SparseState(
       base_state=base.init(treedef.unflatten(stored)),
-      stored_bits=treedef.unflatten(bits),
-      inactive_steps=treedef.unflatten(
-        [optax.MaskedNode() if s is None else s for s in steps]
-      ),
+      stored_bits=treedef.unflatten([s.init_bits() for s in storages]),
+      inactive_steps=treedef.unflatten(steps),
       cold=treedef.unflatten(
-        [optax.MaskedNode() if s is None else s >= offload_after for s in steps]
+        [s if _trees.is_masked(s) else s >= offload_after for s in steps]
       ),
     )
 
-  def leaf_masks(param_mask, leaves, treedef, flat):
+  def leaf_masks(param_mask, storages, treedef, flat):
     if param_mask is None:
-      masks = [None] * len(leaves)
+      masks = [None] * len(storages)
     else:
       masks = _scoping.split_param_mask(treedef, param_mask)
     out = []
-    for i, (lf, m, x) in enumerate(zip(leaves, masks, flat, strict=True)):
-      if m is None or _is_masked(m) or lf.kind == "plain":
-        if lf.kind in ("compact", "grouped"):
+    for i, (s, m, x) in enumerate(zip(storages, masks, flat, strict=True)):
+      if m is None or _trees.is_masked(m) or not s.scoped:
+        if s.needs_mask:
           raise ValueError(
-            f"leaf {i} uses compact storage but param_mask has no mask for it;"
-            " pass param_mask= (periodic_mask does) or scope the leaf out with"
-            " `where`."
+            f"leaf {i} ({s.name}) uses compact storage but param_mask has no mask"
+            " for it; pass param_mask= (periodic_mask does) or scope the leaf out"
+            " with `where`."
           )
         out.append(None)
         continue
       m = jnp.asarray(m)
       if m.shape != jnp.shape(x):
         raise ValueError(
-          f"param_mask leaf {i} has shape {m.shape}; the parameter has {jnp.shape(x)}."
+          f"param_mask leaf {i} ({s.name}) has shape {m.shape}; the parameter has"
+          f" {jnp.shape(x)}."
         )
       out.append(m.astype(jnp.bool_))
     return out
 
   def update_fn(updates, state, params=None, *, param_mask=None, **extra_args):
-    leaves, treedef = leaf_plans(updates)
+    storages, treedef = storages_of(updates)
     flat_g = treedef.flatten_up_to(updates)
     flat_p = treedef.flatten_up_to(params) if params is not None else None
-    masks = leaf_masks(param_mask, leaves, treedef, flat_g)
-    shapes = stored_shapes(leaves, flat_g)
+    masks = leaf_masks(param_mask, storages, treedef, flat_g)
+    shapes = [s.stored_shape for s in storages]
     bits = treedef.flatten_up_to(state.stored_bits)
-    any_active = [None if m is None else jnp.any(m) for m in masks]
+    active = [None if m is None else jnp.any(m) for m in masks]
+    ctx, new_bits, changed = [], [], []
+    for s, m, b, g in zip(storages, masks, bits, flat_g, strict=True):
+      c, nb, ch = s.prepare(m, b, g)
+      ctx.append(c)
+      new_bits.append(nb)
+      if ch is not None:
+        changed.append(ch)
 
-    # Compact leaves: indices of the active entries (flat) or the slot of each
-    # entry in its group (grouped), and a slot remap when the mask changed.
-    new_idx, slots, new_bits, remap = {}, {}, list(bits), {}
-    for i, lf in enumerate(leaves):
-      if lf.kind == "compact":
-        axes = _explicit_axes(flat_g[i]) | _explicit_axes(masks[i])
-        if axes:
-          raise ValueError(
-            f"sparse_state: unstructured compact storage does not support leaves"
-            f" sharded over Explicit mesh axes ({sorted(axes)}): it keeps one flat"
-            " vector per leaf. Use mode='skip', or N:M compact storage"
-            " (structure=(n, m)), which keeps the parameter's sharding."
-          )
-        flat_m = masks[i].reshape(-1)
-        new_idx[i], n_active = _active_indices(flat_m, lf.capacity)
-        _check(n_active, lf.capacity, _raise_overflow, lf.capacity)
-        new_bits[i] = jnp.packbits(flat_m)
-      elif lf.kind == "grouped":
-        groups = lf.groups
-        slots[i] = groups.slots(masks[i])
-        most = jnp.max(groups.per_group(masks[i]))
-        _check(most, groups.n, _raise_group_overflow, groups.n, groups.m)
-        new_bits[i] = groups.pack(masks[i])
-      else:
-        continue
-      remap[i] = jnp.any(new_bits[i] != bits[i])
-
-    def remap_state(base_state):
-      def move(i, x):
-        if i not in remap:
-          return x
-        if i in slots:
-          groups = leaves[i].groups
-          old = groups.expand(x, groups.slots(groups.unpack(bits[i])))
-          return groups.compact(old, slots[i])
-        old_mask = jnp.unpackbits(bits[i], count=leaves[i].size).astype(jnp.bool_)
-        old_idx, _ = _active_indices(old_mask, leaves[i].capacity)
-        pos = jnp.clip(jnp.searchsorted(old_idx, new_idx[i]), 0, x.shape[0] - 1)
-        found = (old_idx[pos] == new_idx[i]) & (new_idx[i] < leaves[i].size)
-        return jnp.where(found, x[pos], jnp.zeros([], x.dtype))
-
-      return _per_entry_map(move, shapes, treedef, base_state)
+    def per_entry(fn, tree, *more):
+      return _trees.map_like(fn, tree, treedef, *more, shapes=shapes)
 
     base_state = state.base_state
-    if remap:
-      changed = jnp.any(jnp.stack(list(remap.values())))
-      base_state = jax.lax.cond(changed, remap_state, lambda s: s, base_state)
+    if changed:
+      base_state = jax.lax.cond(
+        jnp.any(jnp.stack(changed)),
+        lambda st: per_entry(lambda i, x: storages[i].remap(ctx[i], x, bits[i]), st),
+        lambda st: st,
+        base_state,
+      )
+    old_state = per_entry(lambda i, x: storages[i].load(x, active[i]), base_state)
 
-    # Offloaded (host-resident) leaves come to the device only when active.
-    def fetch(i, x):
-      if not _on_host(x):
-        return x
-      return jax.lax.cond(
-        any_active[i],
-        lambda: jax.device_put(x, _SPACE.Device),
-        lambda: jnp.zeros(x.shape, x.dtype),
+    def gathered(flat):
+      return treedef.unflatten(
+        [s.gather(c, x) for s, c, x in zip(storages, ctx, flat, strict=True)]
       )
 
-    old_state = _per_entry_map(fetch, shapes, treedef, base_state)
-
-    def gather(i, x):
-      if i in slots:
-        return leaves[i].groups.compact(x, slots[i])
-      if leaves[i].kind != "compact":
-        return x
-      return jnp.take(
-        x.reshape(-1), new_idx[i], mode="fill", fill_value=0, indices_are_sorted=True
-      )
-
-    stored_g = [gather(i, g) for i, g in enumerate(flat_g)]
-    stored_p = None if flat_p is None else [gather(i, p) for i, p in enumerate(flat_p)]
-
-    def stored_mask(i, m):
-      if m is None:
-        return optax.MaskedNode()
-      if i in slots:
-        return leaves[i].groups.filled(slots[i])
-      return new_idx[i] < leaves[i].size if leaves[i].kind == "compact" else m
-
+    stored_masks = [
+      s.stored_mask(c, m) for s, c, m in zip(storages, ctx, masks, strict=True)
+    ]
     base_updates, new_state = base.update(
-      treedef.unflatten(stored_g),
+      gathered(flat_g),
       old_state,
-      None if stored_p is None else treedef.unflatten(stored_p),
-      param_mask=treedef.unflatten([stored_mask(i, m) for i, m in enumerate(masks)]),
+      None if flat_p is None else gathered(flat_p),
+      param_mask=treedef.unflatten(stored_masks),
       **extra_args,
     )
-
-    def freeze(i, new, old):
-      if leaves[i].kind == "skip" and masks[i] is not None:
-        new = jnp.where(masks[i], new, old)
-      return new
-
-    new_state = _per_entry_map(freeze, shapes, treedef, new_state, old_state)
-
-    def store(i, new, orig):
-      if not _on_host(orig):
-        return new
-      return jax.lax.cond(
-        any_active[i], lambda: jax.device_put(new, _SPACE.Host), lambda: orig
+    new_state = per_entry(
+      lambda i, new, old: storages[i].freeze(ctx[i], masks[i], new, old),
+      new_state,
+      old_state,
+    )
+    new_state = per_entry(
+      lambda i, new, orig: storages[i].unload(new, orig, active[i]),
+      new_state,
+      base_state,
+    )
+    out = [
+      s.scatter(c, m, u)
+      for s, c, m, u in zip(
+        storages, ctx, masks, treedef.flatten_up_to(base_updates), strict=True
       )
-
-    new_state = _per_entry_map(store, shapes, treedef, new_state, base_state)
-
-    out = []
-    for i, (lf, u, g) in enumerate(
-      zip(leaves, treedef.flatten_up_to(base_updates), flat_g, strict=True)
-    ):
-      if lf.kind == "compact":
-        full = (
-          jnp.zeros((lf.size,), u.dtype)
-          .at[new_idx[i]]
-          .set(u, mode="drop", indices_are_sorted=True)
-        )
-        out.append(full.reshape(jnp.shape(g)))
-      elif lf.kind == "grouped":
-        out.append(lf.groups.expand(u, slots[i]))
-      elif masks[i] is not None:
-        out.append(jnp.where(masks[i], u, jnp.zeros([], u.dtype)))
-      else:
-        out.append(u)
+    ]
 
     steps = treedef.flatten_up_to(state.inactive_steps)
     new_steps = [
       s
-      if _is_masked(s)
+      if _trees.is_masked(s)
       else (
         jnp.zeros([], jnp.int32)
-        if any_active[i] is None
-        else jnp.where(any_active[i], 0, optax.safe_increment(s))
+        if active[i] is None
+        else jnp.where(active[i], 0, optax.safe_increment(s))
       )
       for i, s in enumerate(steps)
     ]
-    new_cold = [s if _is_masked(s) else s >= offload_after for s in new_steps]
+    new_cold = [s if _trees.is_masked(s) else s >= offload_after for s in new_steps]
     return treedef.unflatten(out), SparseState(
       base_state=new_state,
       stored_bits=treedef.unflatten(new_bits),
@@ -739,36 +870,17 @@ def offload_sparse_state(opt_state: Any, params: Any) -> Any:
   if not host_offload_available():
     return opt_state
   is_state = lambda x: isinstance(x, SparseState)
-
-  def own_params(cold):
-    """``params`` as this state saw them at init: inside ``optax.masked`` or
-    ``optax.multi_transform`` a group's tree has ``MaskedNode`` for whole
-    subtrees. (A ``MaskedNode`` in place of a single leaf stays a leaf here: it
-    splits the per-leaf trees the same way.)"""
-    try:
-      return jax.tree.map(
-        lambda c, p: (
-          optax.MaskedNode() if _is_masked(c) and not hasattr(p, "shape") else p
-        ),
-        cold,
-        params,
-        is_leaf=_is_masked,
-      )
-    except (ValueError, TypeError):
-      return None
+  params_def = jax.tree.structure(params)
+  shapes = [tuple(jnp.shape(x)) for x in params_def.flatten_up_to(params)]
 
   def place(node):
-    if not is_state(node):
+    # Inside optax.masked / multi_transform a group's state holds MaskedNode for
+    # the other groups' leaves and subtrees; split_like reads it against the
+    # whole parameter tree.
+    cold = _trees.split_like(node.cold, params_def)
+    if cold is None:
       return node
-    local = own_params(node.cold)
-    if local is None:
-      return node
-    flat_p, treedef = jax.tree.flatten(local)
-    shapes = [tuple(jnp.shape(x)) for x in flat_p]
-    cold = _scoping.per_leaf(treedef, node.cold)
-    if cold is None or all(_is_masked(c) for c in cold):
-      return node
-    cold = [None if _is_masked(c) else bool(c) for c in cold]
+    cold = [None if _trees.is_masked(c) else bool(c) for c in cold]
 
     def move(i, x):
       if cold[i] is None:
@@ -780,7 +892,9 @@ def offload_sparse_state(opt_state: Any, params: Any) -> Any:
       return jax.device_put(x, sharding.with_memory_kind(want))
 
     return node._replace(
-      base_state=_per_entry_map(move, shapes, treedef, node.base_state)
+      base_state=_trees.map_like(move, node.base_state, params_def, shapes=shapes)
     )
 
-  return jax.tree.map(place, opt_state, is_leaf=is_state)
+  return jax.tree.map(
+    lambda x: place(x) if is_state(x) else x, opt_state, is_leaf=is_state
+  )

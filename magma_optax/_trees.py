@@ -15,11 +15,26 @@ storage of a base optimizer's moments, host offload -- finds them here:
 A node is parameter-like when it has the parameters' tree structure, except that
 ``MaskedNode`` may stand for any subtree, and it holds at least one non-``MaskedNode``
 entry (an empty node is like every leafless tree, so it proves nothing).
+
+Example:
+  >>> import jax, jax.numpy as jnp, optax
+  >>> from magma_optax import _trees
+  >>> params = {"a": jnp.ones(2), "b": jnp.ones(3)}
+  >>> state = optax.adam(1e-3).init(params)
+  >>> params_def = jax.tree.structure(params)
+  >>> [e.shape for e in _trees.split_like(state[0].mu, params_def)]
+  [(2,), (3,)]
+  >>> _trees.split_like(state[0].count, params_def) is None
+  True
+  >>> shifted = _trees.map_like(lambda i, x: x + i, state, params_def)
+  >>> shifted[0].nu["b"].tolist()
+  [1.0, 1.0, 1.0]
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -79,36 +94,59 @@ def split_like(node: Any, params_def: Any) -> list[Any] | None:
 
 
 def map_like(
-  fn: Callable[[int, Any], Any],
+  fn: Callable[..., Any],
   state: Any,
   params_def: Any,
-  *,
+  *more: Any,
   other: Callable[[Any], Any] | None = None,
+  shapes: Sequence[tuple[int, ...]] | None = None,
 ) -> Any:
-  """Maps ``fn(i, entry)`` over the entries of every parameter-like subtree.
+  """Maps ``fn(i, entry, *more_entries)`` over the entries of every parameter-like
+  subtree.
 
   Args:
-    fn: called with the parameter leaf index ``i`` and the state's entry there, for
-      every entry that is not ``MaskedNode``; returns the new entry.
+    fn: called with the parameter leaf index ``i`` and the state's entry there (and
+      the entries of ``more`` at the same place), for every entry that is not
+      ``MaskedNode``; returns the new entry.
     state: an optimizer state (any pytree).
     params_def: ``jax.tree.structure(params)``.
-    other: applied to every leaf outside the parameter-like subtrees except
-      ``MaskedNode`` (default: unchanged).
+    *more: trees with ``state``'s structure (e.g. the previous state), read only.
+    other: applied to every leaf of ``state`` outside the parameter-like subtrees
+      except ``MaskedNode`` (default: unchanged).
+    shapes: if given, a subtree counts as parameter-like only where every entry
+      that is not ``MaskedNode`` is an array of shape ``shapes[i]`` (a state kept
+      at other shapes than the parameters', e.g. compact storage).
 
   Returns:
     ``state`` with the same structure and the mapped entries.
   """
 
-  def is_like(x: Any) -> bool:
-    return split_like(x, params_def) is not None
+  def entries_of(x: Any) -> list[Any] | None:
+    entries = split_like(x, params_def)
+    if entries is None or shapes is None:
+      return entries
+    for e, shape in zip(entries, shapes, strict=True):
+      if not is_masked(e) and tuple(getattr(e, "shape", (None,))) != tuple(shape):
+        return None
+    return entries
 
-  def rebuild(node: Any) -> Any:
-    entries = split_like(node, params_def)
+  def rebuild(node: Any, *rest: Any) -> Any:
+    entries = entries_of(node)
     if entries is None:
       return node if other is None or is_masked(node) else other(node)
-    new = iter(fn(i, e) for i, e in enumerate(entries) if not is_masked(e))
+    rest_entries = [split_like(r, params_def) for r in rest]
+    new = iter(
+      fn(i, e, *(r[i] for r in rest_entries))
+      for i, e in enumerate(entries)
+      if not is_masked(e)
+    )
     return jax.tree.map(
       lambda x: x if is_masked(x) else next(new), node, is_leaf=is_masked
     )
 
-  return jax.tree.map(rebuild, state, is_leaf=lambda x: is_masked(x) or is_like(x))
+  return jax.tree.map(
+    rebuild,
+    state,
+    *more,
+    is_leaf=lambda x: is_masked(x) or entries_of(x) is not None,
+  )

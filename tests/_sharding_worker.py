@@ -32,6 +32,7 @@ if __name__ == "__main__":  # before JAX starts
   os.environ["JAX_PLATFORMS"] = "cpu"
 
 import contextlib  # noqa: E402
+import inspect  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 import time  # noqa: E402
@@ -107,7 +108,7 @@ def sparse_transforms():
   # Skip storage, and N:M compact storage (per group, so it keeps the sharding;
   # every FLAT axis holds whole groups of 4 per device). Unstructured compact
   # storage keeps one flat vector per leaf by design and is documented to gather.
-  return {
+  cases = {
     "periodic_mask_sparse_state_skip": (
       magma.periodic_mask(
         magma.sparse_state(optax.adam(0.1), mode="skip"),
@@ -125,6 +126,13 @@ def sparse_transforms():
       FLAT,
     ),
   }
+  if "block" in inspect.signature(magma.periodic_mask).parameters:
+    # Whole 4x4 tiles: every sharded axis of SQUARE holds whole tiles per device.
+    cases["periodic_mask_tiles"] = (
+      magma.periodic_mask(optax.adam(0.1), sparsity=0.5, every=2, block=(4, 4)),
+      SQUARE,
+    )
+  return cases
 
 
 def flat_compact_error(mesh):

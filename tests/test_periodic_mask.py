@@ -527,3 +527,137 @@ def test_zero_size_leaves(ranking):
   u, state = jax.jit(tx.update)(params, tx.init(params), params)
   assert u["e"].shape == (0, 4)
   assert int(np.sum(np.asarray(state.mask["w"]))) == 8
+
+
+def test_regrown_moments_reset_inside_masked_subtrees():
+  # optax.masked with a mask prefix puts a MaskedNode in place of the whole "b"
+  # subtree of Adam's moments; the regrowth reset must still find mu and nu (the
+  # moments were skipped when found by exact structure only).
+  b1 = 0.9
+  params = {"a": jnp.ones(8), "b": {"c": jnp.ones(2), "d": jnp.ones(2)}}
+  inner = optax.masked(optax.adam(0.01, b1=b1), {"a": True, "b": False})
+  tx = magma.periodic_mask(
+    inner, sparsity=0.5, every=1, importance=lambda p, g: jnp.abs(g)
+  )
+  state, step = tx.init(params), jax.jit(tx.update)
+  assert isinstance(state.inner_state.inner_state[0].mu["b"], optax.MaskedNode)
+  seen_regrowth = False
+  for t in range(4):
+    g = jnp.asarray(np.random.default_rng(t).normal(size=8), jnp.float32)
+    grads = {"a": g, "b": {"c": jnp.ones(2), "d": jnp.ones(2)}}
+    old_mask = np.asarray(state.mask["a"])
+    mu0 = np.asarray(state.inner_state.inner_state[0].mu["a"])
+    _, state = step(grads, state, params)
+    regrown = np.asarray(state.mask["a"]) & ~old_mask
+    seen_regrowth |= bool(regrown.any())
+    want = np.where(regrown, 0.0, mu0) * b1 + (1 - b1) * np.asarray(g)
+    mu1 = np.asarray(state.inner_state.inner_state[0].mu["a"])
+    np.testing.assert_allclose(mu1, want, rtol=1e-6, atol=1e-7)
+  assert seen_regrowth
+
+
+def test_only_zero_size_leaves_prune_nothing():
+  params = {"e": jnp.zeros((0, 4))}
+  tx = magma.periodic_mask(optax.adam(0.1), sparsity=0.5, every=1, ranking="global")
+  u, state = jax.jit(tx.update)(params, tx.init(params), params)
+  assert u["e"].shape == (0, 4)
+  assert float(state.sparsity) == 0.0  # was 1.0: 1 - 0 kept / max(0, 1)
+  assert float(state.target_sparsity) == 0.5
+
+
+def np_tile_sums(score, block):
+  r, c = block
+  *lead, rows, cols = score.shape
+  return score.reshape(*lead, rows // r, r, cols // c, c).sum(axis=(-3, -1))
+
+
+def np_untile(tiles, block):
+  return np.repeat(np.repeat(tiles, block[0], axis=-2), block[1], axis=-1)
+
+
+@pytest.mark.parametrize("ranking", ["per_leaf", "global"])
+def test_tile_masks_match_numpy(ranking):
+  block = (2, 4)
+  shapes = [(4, 8), (3, 2, 12)]  # a stacked leaf: tiles over the last two axes
+  schedule = lambda count: jnp.asarray([0.5, 0.25, 0.75])[jnp.minimum(count // 2, 2)]
+  tx = magma.periodic_mask(
+    optax.sgd(0.1), sparsity=schedule, every=2, block=block, ranking=ranking
+  )
+  params = random_tree(7, shapes)
+  state, step = tx.init(params), jax.jit(tx.update)
+  for t in range(6):
+    grads = random_tree(400 + t, shapes)
+    old = {k: np.asarray(v) for k, v in state.mask.items()}
+    updates, state = step(grads, state, params)
+    keys = sorted(params)
+    scores = [
+      np_tile_sums(np.abs(np.asarray(params[k])) * np.abs(np.asarray(grads[k])), block)
+      for k in keys
+    ]
+    actives = [np_tile_sums(old[k], block) > 0 for k in keys]
+    target = float(schedule(t))
+    if t % 2:  # no refresh: the mask stays
+      want = [old[k] for k in keys]
+    elif ranking == "per_leaf":
+      want = [
+        np_untile(np_keep(s, a, target), block)
+        for s, a in zip(scores, actives, strict=True)
+      ]
+    else:
+      flat = np_keep(
+        np.concatenate([s.ravel() for s in scores]),
+        np.concatenate([a.ravel() for a in actives]),
+        target,
+      )
+      sizes = np.cumsum([0] + [s.size for s in scores])
+      want = [
+        np_untile(flat[a:b].reshape(s.shape), block)
+        for s, a, b in zip(scores, sizes[:-1], sizes[1:], strict=True)
+      ]
+    for k, w in zip(keys, want, strict=True):
+      np.testing.assert_array_equal(np.asarray(state.mask[k]), w)
+    params = optax.apply_updates(params, updates)
+    for k in keys:  # pruned tiles are exactly zero after every step
+      assert np.all(np.asarray(params[k])[~np.asarray(state.mask[k])] == 0.0)
+  assert step._cache_size() == 1
+
+
+def test_tile_ties_keep_active_then_low_tile_index():
+  params = {"w": jnp.ones((4, 4))}
+  tx = magma.periodic_mask(
+    optax.sgd(0.0), sparsity=0.5, every=1, importance="magnitude", block=(2, 2)
+  )
+  state = tx.init(params)
+  _, state = tx.update(params, state, params)
+  # All tiles tie and are active: tiles 0 and 1 (the top row of tiles) stay.
+  np.testing.assert_array_equal(
+    np.asarray(state.mask["w"]), np_untile(np.array([[1, 1], [0, 0]], bool), (2, 2))
+  )
+  # With a current mask, active tiles win over inactive ones.
+  old = np_untile(np.array([[0, 1], [1, 0]], bool), (2, 2))
+  _, state = tx.update(params, state._replace(mask={"w": jnp.asarray(old)}), params)
+  np.testing.assert_array_equal(np.asarray(state.mask["w"]), old)
+
+
+def test_tile_arguments_and_shapes_are_checked():
+  with pytest.raises(ValueError, match="block must be"):
+    magma.periodic_mask(optax.sgd(0.1), sparsity=0.5, every=1, block=(0, 4))
+  with pytest.raises(ValueError, match="not both"):
+    magma.periodic_mask(optax.sgd(0.1), structure=(2, 4), every=1, block=(2, 2))
+  tx = magma.periodic_mask(optax.sgd(0.1), sparsity=0.5, every=1, block=(2, 4))
+  with pytest.raises(ValueError, match=r"leaf \['w'\] has shape \(4, 6\)"):
+    tx.init({"w": jnp.ones((4, 6))})
+  with pytest.raises(ValueError, match=r"leaf \['b'\] has shape \(8,\)"):
+    tx.init({"b": jnp.ones(8), "w": jnp.ones((4, 8))})
+  # Scoped out with `where`, the bias is left alone.
+  tx = magma.periodic_mask(
+    optax.sgd(0.1),
+    sparsity=0.5,
+    every=1,
+    block=(2, 4),
+    where={"b": False, "e": True, "w": True},
+  )
+  params = {"b": jnp.ones(8), "e": jnp.zeros((0, 8)), "w": jnp.ones((4, 8))}
+  u, state = jax.jit(tx.update)(params, tx.init(params), params)
+  assert int(np.asarray(state.mask["w"]).sum()) == 16
+  assert u["e"].shape == (0, 8)  # zero-size leaves tile trivially

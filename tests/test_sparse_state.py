@@ -362,3 +362,62 @@ def test_active_indices_match_numpy_nonzero():
         np.testing.assert_array_equal(
           np.asarray(got), want, err_msg=f"{n} {density} {size}"
         )
+
+
+@pytest.mark.parametrize(
+  "kwargs",
+  [
+    dict(mode="skip"),
+    dict(mode="offload"),
+    dict(mode="compact", density=0.5),
+    dict(mode="compact", structure=(2, 4)),
+  ],
+)
+def test_zero_size_leaves_every_storage(kwargs):
+  params = {"e": jnp.zeros((0, 4)), "w": jnp.arange(1.0, 9.0).reshape(2, 4)}
+  mask = {"e": jnp.zeros((0, 4), bool), "w": jnp.array([[1, 0, 1, 0]] * 2, bool)}
+  tx = magma.sparse_state(optax.adam(LR), **kwargs)
+  ref = magma.sparse_state(optax.adam(LR), mode="skip")
+  state, ref_state = tx.init(params), ref.init(params)
+  for _ in range(2):
+    u, state = jax.jit(tx.update)(params, state, params, param_mask=mask)
+    v, ref_state = ref.update(params, ref_state, params, param_mask=mask)
+    assert u["e"].shape == (0, 4)
+    np.testing.assert_allclose(np.asarray(u["w"]), np.asarray(v["w"]), atol=1e-7)
+  assert float(jnp.abs(u["w"]).min()) == 0.0 and float(jnp.abs(u["w"]).max()) > 0
+
+
+def counting(base):
+  """``base`` whose update appends to a list when it runs (outside jit)."""
+  calls = []
+
+  def update_fn(updates, state, params=None, **extra):
+    calls.append(1)
+    return base.update(updates, state, params, **extra)
+
+  return optax.GradientTransformationExtraArgs(base.init, update_fn), calls
+
+
+def test_capacity_overflow_message_names_density_and_counts():
+  params = {"w": jnp.ones(8)}
+  base, calls = counting(optax.with_extra_args_support(optax.adam(LR)))
+  tx = magma.sparse_state(base, mode="compact", density=0.25)
+  state = tx.init(params)
+  too_many = {"w": jnp.arange(8) < 3}
+  want = (
+    r"leaf \['w'\] \(size 8\) has 3 active entries .* capacity ceil\(density \*"
+    r" size\) = ceil\(0.25 \* 8\) = 2\. Raise `density` to at least 0.375"
+  )
+  # Outside jit: a ValueError before the base optimizer runs.
+  with pytest.raises(ValueError, match=want):
+    tx.update(params, state, params, param_mask=too_many)
+  assert calls == []
+  # Under jit the runtime reports it; the message is the same.
+  with pytest.raises(Exception, match=want):
+    jax.block_until_ready(
+      jax.jit(tx.update)(params, state, params, param_mask=too_many)
+    )
+  # Control: a mask that fits runs the base (eagerly: one more call).
+  before = len(calls)
+  tx.update(params, state, params, param_mask={"w": jnp.arange(8) < 2})
+  assert len(calls) == before + 1
