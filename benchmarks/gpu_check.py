@@ -189,7 +189,7 @@ def kernel_bandwidth(num_params: int, rounds: int, interpret=False) -> None:
 
 def check_top_k(shape=(1024, 1024)) -> bool:
   """``periodic_mask``'s top-k (sampled search, ties) on this device vs numpy."""
-  from magma_optax._periodic import _top_k_mask
+  from magma_optax._topk import top_k_mask as _top_k_mask
 
   rng = np.random.default_rng(0)
   n = int(np.prod(shape))

@@ -40,6 +40,7 @@ from magma_optax import _compat
 from magma_optax import _engine
 from magma_optax import _schedules
 from magma_optax import _scoping
+from magma_optax import _trees
 from magma_optax import kernels
 
 
@@ -256,7 +257,7 @@ def adam_magma(
     if param_mask is None:
       pms = [None] * len(grads)
     else:
-      pms = _scoping.split_param_mask(treedef, param_mask)
+      pms = _trees.split_param_mask(treedef, param_mask)
     blank = [optax.MaskedNode()] * len(grads)
     old_scores = treedef.flatten_up_to(mask_state.scores) if plans else blank
     old_norms = treedef.flatten_up_to(state.mu_sq_norm) if plans else blank

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import optax
 
 from magma_optax import _schedules
-from magma_optax import _scoping
+from magma_optax import _trees
 
 
 class MaskedWeightDecayState(NamedTuple):
@@ -104,7 +104,7 @@ def masked_weight_decay(
       coef = jnp.asarray(strength, jnp.float32) * frac
     flat_u, treedef = jax.tree.flatten(updates)
     flat_p = treedef.flatten_up_to(params)
-    flat_m = _scoping.split_param_mask(treedef, param_mask)
+    flat_m = _trees.split_param_mask(treedef, param_mask)
     out = []
     for u, p, m in zip(flat_u, flat_p, flat_m, strict=True):
       if m is None or isinstance(m, optax.MaskedNode):

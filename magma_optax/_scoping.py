@@ -218,34 +218,6 @@ def per_leaf(treedef: Any, state_tree: Any) -> list[Any] | None:
     return None
 
 
-def split_param_mask(treedef: Any, param_mask: Any) -> list[Any]:
-  """``param_mask`` (a pytree like the parameters) split up to ``treedef``.
-
-  Inside ``optax.masked`` / ``optax.multi_transform`` a transform sees its group's
-  tree, with ``optax.MaskedNode`` for whole subtrees, but extra arguments such as
-  ``param_mask`` pass through unchanged: a full mask is then restricted to the
-  group first.
-
-  Raises:
-    ValueError: if ``param_mask`` has neither structure.
-  """
-  leaves = per_leaf(treedef, param_mask)
-  if leaves is not None:
-    return leaves
-  is_slot = lambda x: x is None or isinstance(x, optax.MaskedNode)
-  skeleton = treedef.unflatten([None] * treedef.num_leaves)
-  try:
-    group = jax.tree.map(
-      lambda slot, m: m if slot is None else slot,
-      skeleton,
-      param_mask,
-      is_leaf=is_slot,
-    )
-    return treedef.flatten_up_to(group)
-  except (ValueError, TypeError) as e:
-    raise ValueError(f"param_mask must be a pytree like the params; {e}") from None
-
-
 def match_state(plans: list[LeafPlan], state_tree: Any, treedef: Any) -> list[LeafPlan]:
   """Restricts ``plans`` to the leaves that have per-block state.
 

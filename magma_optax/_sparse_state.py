@@ -718,7 +718,7 @@ def sparse_state(
     if param_mask is None:
       masks = [None] * len(storages)
     else:
-      masks = _scoping.split_param_mask(treedef, param_mask)
+      masks = _trees.split_param_mask(treedef, param_mask)
     out = []
     for i, (s, m, x) in enumerate(zip(storages, masks, flat, strict=True)):
       if m is None or _trees.is_masked(m) or not s.scoped:

@@ -10,7 +10,9 @@ storage of a base optimizer's moments, host offload -- finds them here:
 * :func:`split_like` -- a node's entries, one per parameter leaf (``MaskedNode`` where
   a leaf or a whole subtree is masked), or ``None`` if it is not like the parameters;
 * :func:`map_like` -- rebuilds every maximal parameter-like subtree of a state from
-  a function of (parameter index, entry).
+  a function of (parameter index, entry);
+* :func:`split_param_mask` -- the other direction: a full-tree extra argument such as
+  ``param_mask`` restricted to one group's tree.
 
 A node is parameter-like when it has the parameters' tree structure, except that
 ``MaskedNode`` may stand for any subtree, and it holds at least one non-``MaskedNode``
@@ -150,3 +152,32 @@ def map_like(
     *more,
     is_leaf=lambda x: is_masked(x) or entries_of(x) is not None,
   )
+
+
+def split_param_mask(treedef: Any, param_mask: Any) -> list[Any]:
+  """``param_mask`` (a pytree like the parameters) split up to ``treedef``.
+
+  Inside ``optax.masked`` / ``optax.multi_transform`` a transform sees its group's
+  tree, with ``optax.MaskedNode`` for whole subtrees, but extra arguments such as
+  ``param_mask`` pass through unchanged: a full mask is then restricted to the
+  group first.
+
+  Raises:
+    ValueError: if ``param_mask`` has neither structure.
+  """
+  try:
+    return treedef.flatten_up_to(param_mask)
+  except (ValueError, TypeError):
+    pass
+  is_slot = lambda x: x is None or isinstance(x, optax.MaskedNode)
+  skeleton = treedef.unflatten([None] * treedef.num_leaves)
+  try:
+    group = jax.tree.map(
+      lambda slot, m: m if slot is None else slot,
+      skeleton,
+      param_mask,
+      is_leaf=is_slot,
+    )
+    return treedef.flatten_up_to(group)
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"param_mask must be a pytree like the params; {e}") from None

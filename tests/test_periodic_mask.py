@@ -355,7 +355,7 @@ def test_bad_inputs_at_init_and_update():
 
 
 def test_top_k_with_heavy_ties_matches_numpy():
-  from magma_optax._periodic import _top_k_mask
+  from magma_optax._topk import top_k_mask as _top_k_mask
 
   rng = np.random.default_rng(9)
   top_k = jax.jit(_top_k_mask)
@@ -408,8 +408,8 @@ def test_top_k_of_large_leaves_matches_numpy():
   # Leaves of >= 2**16 entries take the sampled search (bracket from a grid sample,
   # interpolation, a step over the zero block, tie splitting by index walk or
   # bisection); smaller ones the bit bisection tested above.
-  from magma_optax._periodic import _top_k_mask
-  from magma_optax._periodic import _top_k_masks
+  from magma_optax._topk import top_k_mask as _top_k_mask
+  from magma_optax._topk import top_k_masks as _top_k_masks
 
   rng = np.random.default_rng(11)
   shape = (256, 512)
@@ -485,7 +485,7 @@ def test_counts_stay_exact_beyond_float32_integers(shape):
   # counts chunks of 16 rows in uint8). Here the true count is odd and above 2**24,
   # so no float32 number equals it: a plain float32 sum would be off, and the count
   # must switch to int32 partial sums.
-  from magma_optax._periodic import _count
+  from magma_optax._topk import count_true as _count
 
   n = int(np.prod(shape))
   assert int(np.float32(n - 1)) != n - 1
