@@ -24,7 +24,7 @@ from magma_optax import _scoping
 
 def _safe_block_norm(layout: _blocks.BlockLayout, u: jax.Array) -> jax.Array:
   """||u_b||_2 per block in f32, as ``m ||u_b / m||`` with ``m = max |u_b|``."""
-  a = jnp.abs(u.astype(jnp.float32))
+  a = jnp.abs(u).astype(jnp.float32)  # complex: the magnitude
   m = layout.block_max_abs(a)
   safe = jnp.where((m > 0) & jnp.isfinite(m), m, 1.0)
   norm = safe * jnp.sqrt(layout.block_sum(jnp.square(a / layout.to_leaf(safe))))

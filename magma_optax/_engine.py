@@ -272,6 +272,7 @@ class MaskConfig:
       keep_prob=self.keep_prob,
       granularity=self.granularity,
       stack_axes=self.stack_axes,
+      complex_ok=True,
     )
 
 

@@ -12,7 +12,9 @@ ablation). Here that is the ``where=`` argument every mask takes:
 ``path`` is a JAX key path (``jax.tree_util.tree_flatten_with_path``). The leaf passed
 is the parameter at ``init`` and the incoming update at ``update`` (same path, shape and
 dtype), so predicates should look at those only. Integer and other non-float leaves
-are never masked; they pass through unchanged.
+are never masked; they pass through unchanged. Complex leaves are masked like the
+real vector (Re, Im) of twice the length: cosines from the real inner product, norms
+from magnitudes (``adam_magma``, a real-valued kernel, refuses them).
 
 Labels group leaves for per-label keep probabilities and for logging:
 :func:`transformer_labels` (:mod:`magma_optax._labels`) names a leaf ``"attention"``,
@@ -127,8 +129,12 @@ def plan_leaves(
   keep_prob: Any,
   granularity: _blocks.Granularity,
   stack_axes: int,
+  complex_ok: bool = False,
 ) -> tuple[list[LeafPlan], Any]:
   """Builds the per-leaf plan of a mask for ``tree`` (params or updates).
+
+  Floating-point leaves can be in scope, and complex ones with ``complex_ok`` (the
+  block-mask transforms, whose cosines use the real inner product).
 
   Returns:
     The list of :class:`LeafPlan` (one per leaf, in flattening order) and the treedef.
@@ -166,7 +172,11 @@ def plan_leaves(
   for i, ((path, x), ok, label) in enumerate(
     zip(paths_leaves, scoped, label_list, strict=True)
   ):
-    floating = hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+    dtype = getattr(x, "dtype", None)
+    floating = dtype is not None and (
+      jnp.issubdtype(dtype, jnp.floating)
+      or (complex_ok and jnp.issubdtype(dtype, jnp.complexfloating))
+    )
     if by_label:
       ok = ok and label in keep_prob
       p = keep_prob.get(label)
