@@ -13,8 +13,8 @@ ablation). Here that is the ``where=`` argument every mask takes:
 is the parameter at ``init`` and the incoming update at ``update`` (same path, shape and
 dtype), so predicates should look at those only. Integer and other non-float leaves
 are never masked; they pass through unchanged. Complex leaves are masked like the
-real vector (Re, Im) of twice the length: cosines from the real inner product, norms
-from magnitudes (``adam_magma``, a real-valued kernel, refuses them).
+real vector (Re, Im) of twice the length: cosines use the real inner product and
+norms the magnitudes (``adam_magma``, a real-valued kernel, refuses them).
 
 Labels group leaves for per-label keep probabilities and for logging:
 :func:`transformer_labels` (:mod:`magma_optax._labels`) names a leaf ``"attention"``,
