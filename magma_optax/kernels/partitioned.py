@@ -1,4 +1,9 @@
-"""The Pallas kernel on sharded leaves: one kernel per shard, no gathered tensor.
+"""The Pallas kernels on sharded leaves: one kernel per shard, no gathered tensor.
+
+``backend`` names the kernel that runs per shard: ``"triton"``
+(:mod:`pallas_gpu`), ``"mosaic_tpu"`` (:mod:`pallas_tpu`) or ``"mosaic_gpu"``
+(:mod:`pallas_mgpu`); all three take the same arguments and return the same
+outputs, so the partitioning below is the same for each.
 
 A ``pallas_call`` is opaque to XLA's SPMD partitioner: on a leaf sharded over a mesh
 XLA would gather the whole leaf to every device and run the kernel on it there --
@@ -27,6 +32,13 @@ it restricted to the axes that index blocks.
   whole (gathered along that axis: the one case that moves a parameter-sized array
   between devices) and each device keeps its part of the outputs.
 
+Interpreted Mosaic kernels (``interpret="tpu"`` / ``"gpu"``, CPU tests): those
+interpreters sequence the simulated device with *ordered* callbacks, an effect
+``custom_partitioning`` cannot lower, so on Auto axes (and on one device) they run
+unpartitioned -- XLA gathers a sharded leaf for them, which on the CPU simulation
+costs only time; on Explicit axes they run per shard under ``shard_map`` as above.
+Compiled kernels (``interpret=False``) have no effects and partition as described.
+
 Not supported (use ``implementation="xla"``): meshes that mix Explicit and Auto axes
 (the leaf is gathered along the Auto axes), and shardings the partitioner cannot name
 on a ``Mesh`` (a ``GSPMDSharding`` without a mesh context raises).
@@ -48,7 +60,22 @@ from magma_optax import _blocks
 from magma_optax import _compat
 from magma_optax.kernels import config as config_lib
 from magma_optax.kernels import pallas_gpu
+from magma_optax.kernels import pallas_mgpu
+from magma_optax.kernels import pallas_tpu
 from magma_optax.kernels import reference
+
+BACKENDS = ("triton", "mosaic_tpu", "mosaic_gpu")
+
+
+def kernel_for(backend: str):
+  """The per-leaf kernel function of ``backend`` (looked up at call time)."""
+  if backend == "triton":
+    return pallas_gpu.masked_adam_pallas
+  if backend == "mosaic_tpu":
+    return pallas_tpu.masked_adam_pallas_tpu
+  if backend == "mosaic_gpu":
+    return pallas_mgpu.masked_adam_pallas_mgpu
+  raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}.")
 
 
 def _splits_last_axis(layout: _blocks.BlockLayout) -> bool:
@@ -130,6 +157,7 @@ def _kernel_fns(
   interpret: bool,
   has_mask: bool,
   has_params: bool,
+  backend: str = "triton",
 ):
   """(per-shard function maker, partitioned kernel) for one static configuration."""
 
@@ -138,7 +166,7 @@ def _kernel_fns(
     mask = next(it) if has_mask else None
     params = next(it) if has_params else None
     return tuple(
-      pallas_gpu.masked_adam_pallas(
+      kernel_for(backend)(
         g, m, v, hyper, constants, scale=scale, layout=layout_,
         param_mask=mask, params=params, block_sizes=block_sizes,
         interpret=interpret,
@@ -253,11 +281,14 @@ def masked_adam_pallas_partitioned(
   params: jax.Array | None = None,
   block_sizes: config_lib.BlockSizes | None = None,
   interpret: bool = False,
+  backend: str = "triton",
 ) -> reference.MaskedAdamOutput:
-  """:func:`pallas_gpu.masked_adam_pallas` that runs per shard on sharded leaves.
+  """The kernel of ``backend`` run per shard on sharded leaves.
 
-  Same arguments and result (see the module docstring for what happens under
-  sharding, ``shard_map`` and ``vmap``).
+  Same arguments and result as :func:`pallas_gpu.masked_adam_pallas` (see the
+  module docstring for what happens under sharding, ``shard_map`` and ``vmap``);
+  ``interpret`` runs that kernel in its backend's interpreter (the generic one for
+  ``"triton"``).
 
   Raises:
     ValueError: if the layout's blocks are not contiguous.
@@ -267,13 +298,18 @@ def masked_adam_pallas_partitioned(
   if scale is None:
     scale = jnp.ones(layout.block_shape, jnp.float32)
   scale = jnp.asarray(scale, jnp.float32).reshape(layout.block_shape)
+  kernel_for(backend)  # a bad name fails here, not inside the partitioner
   per_shard, kernel = _kernel_fns(
     constants, layout, block_sizes, bool(interpret), param_mask is not None,
-    params is not None,
+    params is not None, backend,
   )  # fmt: skip
   args = [hyper.astype(jnp.float32), scale, grad, mu, nu]
   args += [x for x in (param_mask, params) if x is not None]
   mesh, spec = _explicit_mesh_and_spec(args[2:])
+  if mesh is None and interpret and backend != "triton":
+    # The TPU and Mosaic GPU interpreters order their steps with ordered
+    # callbacks, an effect custom_partitioning cannot lower: run unpartitioned.
+    return reference.MaskedAdamOutput(*per_shard(())(*args))
   if mesh is None:  # Auto axes or one device: the partitioner calls back
     return reference.MaskedAdamOutput(*kernel(*args))
   # Explicit axes: the shardings are known now, so map over the shards directly.
