@@ -8,9 +8,10 @@ them). A tile of 4096 entries keeps the six f32 streams of one program in regist
 on current GPUs; small leaves get smaller tiles so that padding stays small.
 
 The TPU kernel (:mod:`magma_optax.kernels.pallas_tpu`) reads the same two fields its
-own way -- ``block_cols`` is the lane width of a row when a block spans several rows,
-``block_rows`` the rows of a tile, a multiple of the dtype's sublanes -- with its own
-heuristic, :meth:`BlockSizes.get_default_tpu`.
+own way -- ``block_cols`` is the row length when a block spans several rows,
+``block_rows`` the rows of a tile, a multiple of the dtype's sublanes -- and without
+them plans its tiles itself (``pallas_tpu.plan_tiles``: TPU rows need not be powers
+of two, and the plan avoids padding copies).
 """
 
 from __future__ import annotations
@@ -67,30 +68,3 @@ class BlockSizes:
     rows_per_block = -(-block_size // cols)
     rows = min(max(4096 // cols, 1), _next_power_of_2(rows_per_block * num_blocks))
     return cls(block_rows=rows, block_cols=cols, num_warps=4 if cols >= 512 else 2)
-
-  @classmethod
-  def get_default_tpu(
-    cls, block_size: int, num_blocks: int, sublanes: int = 8
-  ) -> BlockSizes:
-    """The TPU heuristic: tiles of about 2**17 entries (of 128-lane rows in VMEM).
-
-    Blocks of up to 4096 entries are one row each and a tile holds whole blocks;
-    larger blocks are rows of 4096 lanes and a tile holds 2**17 / 4096 = 32 of
-    them. At 2**17 entries the double-buffered tiles of eight f32 streams and the
-    int8 mask take about 9 MB, under the 16 MB of scoped VMEM of every TPU
-    generation's default.
-
-    Args:
-      block_size: entries per mask block.
-      num_blocks: number of mask blocks in the leaf (unused: tiles never exceed
-        the leaf by more than one tile's padding).
-      sublanes: rows of a native tile for the narrowest dtype (8, 16 or 32).
-
-    Returns:
-      A :class:`BlockSizes` with ``block_rows`` a multiple of ``sublanes``.
-    """
-    del num_blocks
-    cols = 4096
-    lanes = max(_next_power_of_2(min(block_size, cols)), 128)  # VMEM rows: 128 lanes
-    rows = max(sublanes, (1 << 17) // lanes)
-    return cls(block_rows=rows, block_cols=cols)

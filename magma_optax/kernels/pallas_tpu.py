@@ -6,21 +6,22 @@ the leaf is laid out and how the per-block sums are formed, because Mosaic needs
 both done its way:
 
 * **Two views of a leaf**, both with each mask block contiguous (``"tensor"``,
-  ``"row"``, ``"element"`` and stacked layouts). With ``bs`` entries per block and
-  ``cols = block_sizes.block_cols``:
+  ``"row"``, ``"element"`` and stacked layouts), ``bs`` entries per block
+  (:func:`plan_tiles` picks the view and the tile):
 
-  - ``bs <= cols``: the leaf is ``(num_blocks, bs)``, one block per row, and a tile
+  - short blocks: the leaf is ``(num_blocks, bs)``, one block per row, and a tile
     is ``(rows, bs)`` -- ``rows`` blocks. The last dimension is the array's whole
     last dimension, so no column is padded; blocks are padded to a multiple of
-    ``rows`` only when there are more of them than one tile holds.
-  - ``bs > cols``: the leaf is ``(num_blocks, R, cols)`` with each block cut into
-    ``R`` rows of ``cols`` lanes (padded only when ``cols`` does not divide ``bs``),
-    and a tile is ``(1, rows, cols)``: one block's rows.
+    ``rows`` only when no legal ``rows`` divides their number.
+  - long blocks: the leaf is ``(num_blocks, R, cols)`` with each block cut into
+    ``R`` rows of ``cols`` entries (a multiple of 128 that divides ``bs``, or the
+    leaf's last dimension; padded only when neither exists), and a tile is
+    ``(1, rows, cols)``: one block's rows.
 
   ``rows`` is a multiple of the sublane count of the narrowest streamed dtype
   (8 for 32-bit, 16 for 16-bit, 32 for the int8 parameter mask) or the whole
-  dimension, and ``cols`` a multiple of 128 lanes: TPU-legal tiles
-  (:func:`check_tiles` says why a request is not).
+  dimension; the last dimension of a tile is the array's whole last dimension:
+  TPU-legal tiles (:func:`check_tiles` says why an explicit request is not).
 * **Sums over the grid**: the grid is ``(block tiles, tiles per block)`` with
   dimension semantics ``("parallel", "arbitrary")``. The three f32 per-block sums
   are outputs whose block index depends only on the first axis, so Mosaic keeps
@@ -55,6 +56,8 @@ from magma_optax.kernels import pallas_gpu
 from magma_optax.kernels import reference
 
 LANES = 128
+MAX_ROW = 4096  # entries of one row of a long block
+TILE_ENTRIES = 1 << 17  # ~9 MB of double-buffered VMEM tiles: under 16 MB scoped
 
 
 def sublanes(*dtypes) -> int:
@@ -80,6 +83,69 @@ def check_tiles(
       f"block_rows={sizes.block_rows} must be a multiple of {sub} on a TPU for"
       " these dtypes (8 rows for 32-bit, 16 for 16-bit, 32 for the int8 mask)."
     )
+
+
+def _largest_divisor(n: int, step: int, limit: int) -> int | None:
+  """The largest multiple of ``step`` that is at most ``limit`` and divides ``n``."""
+  for k in range(limit // step * step, 0, -step):
+    if n % k == 0:
+      return k
+  return None
+
+
+def plan_tiles(
+  block_size: int,
+  num_blocks: int,
+  last_dim: int,
+  sub: int,
+  block_sizes: config_lib.BlockSizes | None = None,
+) -> tuple[int | None, int]:
+  """``(cols, rows)`` of the kernel's view of a leaf (see the module docstring).
+
+  ``cols is None``: one block per row, tiles of ``rows`` blocks. Else each block is
+  rows of ``cols`` entries and a tile is ``rows`` of them. ``block_sizes`` given:
+  ``block_cols`` is the row length of long blocks (blocks of at most that many
+  entries are one row each) and ``block_rows`` the tile's rows, checked by
+  :func:`check_tiles`. Otherwise the heuristic: tiles of about 2**17 entries (in
+  VMEM rows take whole 128-lane registers), blocks of up to 4096 entries one row
+  each, longer blocks cut into rows of a multiple of 128 that divides the block
+  (else the leaf's last dimension when at least 128 lanes, else 4096 lanes,
+  padded), and ``rows`` a multiple of ``sub`` that divides the row count when one
+  of at least a quarter of a tile does -- so that no copy pads a leaf whose sizes
+  allow a tile without one.
+
+  Args:
+    block_size: entries per mask block.
+    num_blocks: number of mask blocks.
+    last_dim: the leaf's last dimension (divides ``block_size`` for blocks of
+      more than one entry).
+    sub: the sublane count of the narrowest dtype (:func:`sublanes`).
+    block_sizes: optional explicit tile shape.
+
+  Returns:
+    ``(cols, rows)``.
+
+  Raises:
+    ValueError: if ``block_sizes`` does not give TPU-legal tiles.
+  """
+  if block_sizes is not None:
+    cols = None if block_size <= block_sizes.block_cols else block_sizes.block_cols
+    num_rows = num_blocks if cols is None else -(-block_size // cols)
+    check_tiles(block_sizes, block_size, num_rows, sub)
+    return cols, min(num_rows, block_sizes.block_rows)
+  if block_size <= MAX_ROW:
+    cols, num_rows, lanes = None, num_blocks, _round_up(block_size, LANES)
+  else:
+    cols = _largest_divisor(block_size, LANES, MAX_ROW)
+    if cols is None:
+      fits = LANES <= last_dim <= MAX_ROW and block_size % last_dim == 0
+      cols = last_dim if fits else MAX_ROW
+    num_rows, lanes = -(-block_size // cols), _round_up(cols, LANES)
+  target = max(sub, TILE_ENTRIES // lanes // sub * sub)
+  if num_rows <= target:
+    return cols, num_rows  # one tile spans the rows: legal at any count
+  rows = _largest_divisor(num_rows, sub, target)
+  return cols, rows if rows is not None and 4 * rows >= target else target
 
 
 def _kernel(hyper_ref, scale_ref, *refs, constants, has_mask, has_params):
@@ -123,10 +189,17 @@ def _kernel(hyper_ref, scale_ref, *refs, constants, has_mask, has_params):
   m_out[...] = out_m
   v_out[...] = new_v.astype(v_out.dtype)
   u_out[...] = u.astype(u_out.dtype)
-  axes = tuple(range(1, g.ndim))
-  dot_out[...] += jnp.sum(sm * g, axis=axes, keepdims=True)
-  msq_out[...] += jnp.sum(sm * sm, axis=axes, keepdims=True)
-  gsq_out[...] += jnp.sum(g * g, axis=axes, keepdims=True)
+  dot_out[...] += _tile_sum(sm * g)
+  msq_out[...] += _tile_sum(sm * sm)
+  gsq_out[...] += _tile_sum(g * g)
+
+
+def _tile_sum(x):
+  """A tile's per-block sum, keeping dims: (rows, n) -> (rows, 1) for the view of
+  short blocks, (1, rows, cols) -> (1, 1, 1) for long ones. One axis at a time
+  (lanes, then sublanes), the reductions Mosaic lowers directly."""
+  x = jnp.sum(x, axis=-1, keepdims=True)
+  return jnp.sum(x, axis=-2, keepdims=True) if x.ndim == 3 else x
 
 
 def _round_up(n: int, k: int) -> int:
@@ -150,8 +223,7 @@ def masked_adam_pallas_tpu(
   """The Mosaic TPU version of :func:`reference.masked_adam_reference`.
 
   Args:
-    block_sizes: tile shape (see the module docstring); default
-      :meth:`BlockSizes.get_default_tpu`.
+    block_sizes: tile shape (see :func:`plan_tiles`); default: its heuristic.
     interpret: run in the TPU interpreter (``pltpu.InterpretParams()``, on CPU).
 
   Raises:
@@ -173,11 +245,8 @@ def masked_adam_pallas_tpu(
   dtypes += [jnp.int8] if param_mask is not None else []
   dtypes += [params.dtype] if params is not None else []
   sub = sublanes(*dtypes)
-  sizes = block_sizes or config_lib.BlockSizes.get_default_tpu(bs, nb, sub)
-  num_rows = nb if bs <= sizes.block_cols else -(-bs // sizes.block_cols)
-  check_tiles(sizes, bs, num_rows, sub)
-  if bs <= sizes.block_cols:  # one block per row: (nb, bs), tiles of blocks
-    rows = nb if nb <= sizes.block_rows else sizes.block_rows
+  cols, rows = plan_tiles(bs, nb, layout.expanded_shape[-1], sub, block_sizes)
+  if cols is None:  # one block per row: (nb, bs), tiles of blocks
     nb_pad = _round_up(nb, rows)
     view = (nb_pad, bs)
     tile, small = (rows, bs), (rows, 1)
@@ -186,10 +255,7 @@ def masked_adam_pallas_tpu(
     small_map = lambda i, j, h: (i, 0)
     bs_pad = bs
   else:  # each block is R rows of cols lanes: (nb, R, cols), tiles within a block
-    cols = sizes.block_cols
-    r = -(-bs // cols)
-    rows = r if r <= sizes.block_rows else sizes.block_rows
-    r_pad = _round_up(r, rows)
+    r_pad = _round_up(-(-bs // cols), rows)
     nb_pad, bs_pad = nb, r_pad * cols
     view = (nb, r_pad, cols)
     tile, small = (1, rows, cols), (1, 1, 1)

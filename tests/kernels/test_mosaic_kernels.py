@@ -64,11 +64,11 @@ def _tpu_grid_steps(shape, gran, stack, sizes, dtype, masked):
   layout = _blocks.block_layout(shape, gran, stack)
   nb, bs = layout.num_blocks, layout.block_size
   sub = pallas_tpu.sublanes(dtype, *([jnp.int8] if masked else []))
-  sizes = sizes or kernels.BlockSizes.get_default_tpu(bs, nb, sub)
-  if bs <= sizes.block_cols:
-    return -(-nb // min(nb, sizes.block_rows))
-  r = -(-bs // sizes.block_cols)
-  return nb * -(-r // min(r, sizes.block_rows))
+  cols, rows = pallas_tpu.plan_tiles(bs, nb, layout.expanded_shape[-1], sub, sizes)
+  if cols is None:
+    return -(-nb // rows)
+  num_rows = -(-bs // cols)
+  return nb * -(-num_rows // rows)
 
 
 def _gpu_grid_steps(shape, gran, stack, sizes, dtype, masked):
@@ -135,6 +135,20 @@ def test_kernel_in_its_interpreter_matches_xla(case, interpret):
     off = ~np.asarray(pm)
     np.testing.assert_array_equal(np.asarray(got.mu)[off], np.asarray(m)[off])
     np.testing.assert_array_equal(np.asarray(got.update)[off], 0)
+
+
+def test_tpu_default_plan_with_rows_of_the_last_dim_matches_xla():
+  """No multiple of 128 divides 1040 * 150: the default plan takes rows of the
+  leaf's own 150 columns (no padding copy) and 5 tiles of 208 rows, accumulated."""
+  shape = (1040, 150)
+  assert pallas_tpu.plan_tiles(shape[0] * shape[1], 1, shape[1], 8) == (150, 208)
+  g, m, v, p, _, key = _inputs(shape, jnp.float32, seed=3)
+  kw = dict(count=2, learning_rate=1e-3, weight_decay=0.1, params=p)
+  kw["scale"] = jax.random.uniform(key, ())
+  want = kernels.masked_adam(g, m, v, implementation="xla", **kw)
+  got = kernels.masked_adam(g, m, v, implementation="pallas", interpret="tpu", **kw)
+  for name, a, b in zip(want._fields, got, want, strict=True):
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7, err_msg=name)
 
 
 def _params():
@@ -249,8 +263,28 @@ def test_tpu_tiles_are_checked():
   assert pallas_tpu.sublanes(jnp.float32) == 8
   assert pallas_tpu.sublanes(jnp.float32, jnp.bfloat16) == 16
   assert pallas_tpu.sublanes(jnp.bfloat16, jnp.int8) == 32
-  big = kernels.BlockSizes.get_default_tpu(3_000_000, 1, 8)
-  assert big.block_cols % 128 == 0 and big.block_rows % 8 == 0
-  assert big.block_rows * big.block_cols <= 1 << 17
-  one = kernels.BlockSizes.get_default_tpu(1, 10_000, 32)
-  assert one.block_rows % 32 == 0 and one.block_rows * 128 <= 1 << 17
+
+
+@pytest.mark.parametrize(
+  "shape, granularity, sub",
+  [
+    ((4096, 1024), "tensor", 8),
+    ((32000, 768), "tensor", 16),  # an embedding
+    ((1000, 769), "tensor", 8),  # no multiple of 128 divides: rows of 769
+    ((3072, 768), "row", 32),
+    ((10_000, 32), "element", 32),
+  ],
+)
+def test_default_tpu_tiles_are_legal_and_need_no_padding(shape, granularity, sub):
+  layout = _blocks.block_layout(shape, granularity)
+  nb, bs = layout.num_blocks, layout.block_size
+  cols, rows = pallas_tpu.plan_tiles(bs, nb, shape[-1], sub)
+  num_rows = nb if cols is None else bs // cols
+  assert cols is None or bs % cols == 0, cols  # no padded columns
+  assert num_rows % rows == 0, (num_rows, rows)  # no padded rows
+  assert rows == num_rows or rows % sub == 0, rows  # TPU-legal
+  lanes = -(-(bs if cols is None else cols) // 128) * 128
+  assert rows * lanes <= 1 << 17  # fits the VMEM budget
+  # The positive control: 4099 rows (a prime) have no divisor: padded to whole tiles.
+  cols, rows = pallas_tpu.plan_tiles(1024 * 4099, 1, 1024, 8)
+  assert cols == 1024 and 4099 % rows != 0 and rows % 8 == 0

@@ -8,7 +8,7 @@ the TPU interpreter (``interpret="tpu"``) on a 2x4 mesh:
   The compiled step has no all-gather, and the outputs keep the gradient's spec.
 * Auto axes: the interpreter's ordered callbacks cannot pass through
   ``custom_partitioning``, so the kernel runs unpartitioned (documented in
-  ``partitioned``); checked for the values only.
+  ``partitioned``); one case, checked for the values only.
 
 Compared against the unsharded XLA reference at relative tolerance 1e-4 (f32 sums
 of up to 16384 terms reduced in another order: per shard, then psum).
@@ -31,7 +31,9 @@ CASES = [  # shape, granularity, stack_axes, spec, masked
 out = {"devices": jax.device_count(), "cases": []}
 for axis_type in (AxisType.Explicit, AxisType.Auto):
   mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(axis_type,) * 2)
-  for shape, gran, stack, spec, masked in CASES:
+  # Auto axes: the values of one case (the kernel runs unpartitioned there).
+  cases = CASES if axis_type == AxisType.Explicit else CASES[:1]
+  for shape, gran, stack, spec, masked in cases:
     layout = magma.block_layout(shape, gran, stack)
     ks = jax.random.split(jax.random.key(len(shape) + stack + masked), 5)
     g, m, p = (jax.random.normal(k, shape) for k in ks[:3])
@@ -68,7 +70,7 @@ print(json.dumps(out))
 def test_tpu_kernel_on_sharded_leaves():
   out = _eight_devices.run(SCRIPT)
   assert out["devices"] == 8
-  assert len(out["cases"]) == 6
+  assert len(out["cases"]) == 4
   for case in out["cases"]:
     assert case["err"] <= 1e-4, case
     if case["explicit"]:  # per shard: no gathered leaf, the spec kept
