@@ -26,7 +26,10 @@ it restricted to the axes that index blocks.
 * ``jax.vmap``: a ``custom_vmap`` rule maps the unpartitioned kernel (the
   partitioner has no batching rule), so a vmapped step on sharded leaves may gather;
   on Explicit axes a batch axis that is itself sharded fails in ``pallas_call``'s
-  batching rule.
+  batching rule. The Triton kernel is batched by ``pallas_call``'s rule (one more
+  grid axis); the Mosaic kernels run once per example (``lax.map``), because that
+  rule breaks the TPU kernel's dimension semantics and the Mosaic GPU kernel's
+  arguments.
 * A 1-D tile granularity (``(t,)``) splits the last axis into blocks of ``t``; that
   axis stays sharded when every shard holds whole tiles, else the kernel sees it
   whole (gathered along that axis: the one case that moves a parameter-sized array
@@ -228,18 +231,27 @@ def _kernel_fns(
     ),
   )
 
-  @jax.custom_batching.custom_vmap
-  def batchable(*args):
-    return kernel(*args)
+  def batched(fn):
+    """``fn`` with a vmap rule that maps the unpartitioned kernel over the batch."""
+    fn = jax.custom_batching.custom_vmap(fn)
 
-  @batchable.def_vmap
-  def _vmap_rule(axis_size, in_batched, *args):
-    del axis_size
-    axes = [0 if b else None for b in in_batched]
-    out = jax.vmap(functools.partial(run, layout), in_axes=axes)(*args)
-    return out, (True,) * len(out)
+    @fn.def_vmap
+    def _vmap_rule(axis_size, in_batched, *args):
+      one = functools.partial(run, layout)
+      if backend == "triton":  # pallas_call's batching rule adds a grid axis
+        axes = [0 if b else None for b in in_batched]
+        return jax.vmap(one, in_axes=axes)(*args), (True,) * 6
+      # Mosaic kernels: their grid's dimension semantics (TPU) and kernel
+      # arguments (Mosaic GPU) do not survive that rule; one call per example.
+      args = [
+        x if b else jnp.broadcast_to(x, (axis_size, *x.shape))
+        for x, b in zip(args, in_batched, strict=True)
+      ]
+      return jax.lax.map(lambda xs: one(*xs), args), (True,) * 6
 
-  return per_shard, batchable
+    return fn
+
+  return per_shard, batched(kernel), batched(per_shard(()))
 
 
 def _first_sharded_spec(shardings) -> PartitionSpec:
@@ -299,7 +311,7 @@ def masked_adam_pallas_partitioned(
     scale = jnp.ones(layout.block_shape, jnp.float32)
   scale = jnp.asarray(scale, jnp.float32).reshape(layout.block_shape)
   kernel_for(backend)  # a bad name fails here, not inside the partitioner
-  per_shard, kernel = _kernel_fns(
+  per_shard, kernel, unpartitioned = _kernel_fns(
     constants, layout, block_sizes, bool(interpret), param_mask is not None,
     params is not None, backend,
   )  # fmt: skip
@@ -309,7 +321,7 @@ def masked_adam_pallas_partitioned(
   if mesh is None and interpret and backend != "triton":
     # The TPU and Mosaic GPU interpreters order their steps with ordered
     # callbacks, an effect custom_partitioning cannot lower: run unpartitioned.
-    return reference.MaskedAdamOutput(*per_shard(())(*args))
+    return reference.MaskedAdamOutput(*unpartitioned(*args))
   if mesh is None:  # Auto axes or one device: the partitioner calls back
     return reference.MaskedAdamOutput(*kernel(*args))
   # Explicit axes: the shardings are known now, so map over the shards directly.
