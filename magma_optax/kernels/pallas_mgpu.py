@@ -26,6 +26,10 @@ the interpreter one program takes all tiles in turn, because jax 0.12.0's GPU
 interpreter keeps the writes of the first program only (the same code with one
 program; see ``num_programs``).
 
+Every copy takes whole rows of a contiguous array, so Mosaic GPU emits bulk TMA
+copies (``cp.async.bulk``: no 256-element box limit), which move whole multiples
+of 16 bytes: tiles have at least 4 rows and 16 entries.
+
 What is not done (no Hopper GPU has run it yet; ``benchmarks/gpu_check.py`` does):
 no software pipelining across tiles (one tile per CTA, no overlap of the copies of
 the next tile with this one's math), no warp specialisation, and the tile shapes
@@ -150,13 +154,14 @@ def masked_adam_pallas_mgpu(
   """The Mosaic GPU version of :func:`reference.masked_adam_reference`.
 
   Args:
-    block_sizes: tile shape; default :meth:`BlockSizes.get_default`.
+    block_sizes: tile shape; default :meth:`BlockSizes.get_default` with at
+      least 4 rows and 16 entries (TMA copies whole multiples of 16 bytes).
     interpret: run in the Mosaic GPU interpreter (``plgpu.InterpretGPUParams()``,
       on CPU; jax >= 0.12).
 
   Raises:
-    ValueError: if the layout's blocks are not contiguous, or this jax has no
-      Mosaic GPU Pallas API.
+    ValueError: if the layout's blocks are not contiguous, the tile is too small
+      for TMA copies, or this jax has no Mosaic GPU Pallas API.
   """
   pl = _compat.pallas()
   plgpu = _compat.pallas_mosaic_gpu()
@@ -169,8 +174,17 @@ def masked_adam_pallas_mgpu(
       grad, mu, nu, hyper, constants, scale=scale, layout=layout,
       param_mask=param_mask, params=params,
     )  # fmt: skip
-  sizes = block_sizes or config_lib.BlockSizes.get_default(bs, nb)
-  cols, rows = sizes.block_cols, sizes.block_rows
+  if block_sizes is None:
+    sizes = config_lib.BlockSizes.get_default(bs, nb)
+    cols, rows = sizes.block_cols, max(sizes.block_rows, 4, 16 // sizes.block_cols)
+  else:
+    cols, rows = block_sizes.block_cols, block_sizes.block_rows
+  if rows % 4 or rows * cols % 16:
+    raise ValueError(
+      "the Mosaic GPU kernel copies tiles and per-row vectors with bulk TMA"
+      " copies of whole multiples of 16 bytes: block_rows must be a multiple of 4"
+      f" and block_rows * block_cols of 16; got {rows} x {cols}."
+    )
   padded = -(-bs // cols) * cols
   rows_per_block = padded // cols
   num_rows = -(-(nb * rows_per_block) // rows) * rows

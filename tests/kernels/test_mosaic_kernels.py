@@ -276,6 +276,18 @@ def test_pallas_picks_the_backends_kernel(monkeypatch, backend, device, want):
   assert api.pallas_backend(True) == "triton"
 
 
+@pytest.mark.skipif(not _compat.has_mosaic_gpu(), reason=NO_GPU_INTERPRETER)
+def test_mosaic_gpu_tiles_fit_bulk_copies():
+  from magma_optax.kernels import pallas_mgpu
+
+  g = jnp.ones((4, 8))
+  with pytest.raises(ValueError, match="multiple of 4"):
+    pallas_mgpu.masked_adam_pallas_mgpu(
+      g, g, g, jnp.ones(4), kernels.AdamConstants(), interpret=True,
+      block_sizes=kernels.BlockSizes(2, 8),
+    )  # fmt: skip
+
+
 def test_tpu_tiles_are_checked():
   with pytest.raises(ValueError, match="multiple of 128"):
     pallas_tpu.check_tiles(kernels.BlockSizes(8, 64), 1000, 16, 8)
