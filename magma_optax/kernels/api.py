@@ -7,7 +7,7 @@ block, and returns the per-block partial sums of Magma's cosine (see
 * ``"xla"``: plain ``jax.numpy`` (:mod:`reference`), any backend; the CPU default.
 * ``"pallas"``: a Pallas kernel, the one for the backend (:func:`pallas_backend`):
   Mosaic TPU on a TPU (:mod:`pallas_tpu`), Mosaic GPU on a Hopper-class GPU with
-  jax >= 0.12 (:mod:`pallas_mgpu`), Triton on other GPUs and on jax 0.10.x
+  jax >= 0.12 (:mod:`pallas_mgpu`), Triton on other GPUs and on jax < 0.12
   (:mod:`pallas_gpu`). Needs contiguous blocks. On sharded leaves it runs once per
   shard (:mod:`partitioned`): no leaf is gathered.
 * a sequence such as ``("pallas", "xla")``: the first that can run.
@@ -114,7 +114,7 @@ def pallas_backend(interpret: bool | str = False) -> str:
 
   ``"mosaic_tpu"`` on a TPU or with ``interpret="tpu"``; ``"mosaic_gpu"`` with
   ``interpret="gpu"`` or on a Hopper-class GPU with jax >= 0.12; ``"triton"``
-  otherwise (other GPUs, jax 0.10.x, and the generic interpreter).
+  otherwise (other GPUs, jax < 0.12, and the generic interpreter).
   """
   interpret = check_interpret(interpret)
   if interpret == "tpu":

@@ -8,11 +8,11 @@ H200) and newer, and its interpreter (``plgpu.InterpretGPUParams``) is public on
 from jax 0.12. So ``implementation="pallas"`` on a GPU selects (:mod:`api`):
 
 * Mosaic GPU (this module) on a Hopper-class GPU with jax >= 0.12;
-* Triton (:mod:`pallas_gpu`) where it is the only option: jax 0.10.x (the last
-  line for Python 3.11, where Mosaic GPU's Pallas API and interpreter are not
-  public) and GPUs older than Hopper (Ampere, Ada), which Mosaic GPU does not
-  target. Only these users lower a Triton kernel, so jax's deprecation warning
-  reaches no one who did not need Triton.
+* Triton (:mod:`pallas_gpu`) where it is the only option: jax < 0.12 (0.10.x is
+  the last line for Python 3.11; there Mosaic GPU's Pallas API and interpreter are
+  not public) and GPUs older than Hopper (Ampere, Ada), which Mosaic GPU does not
+  target. Only these users lower a Triton kernel (on jax >= 0.11 with jax's
+  deprecation warning), so the warning reaches no one who did not need Triton.
 
 The kernel is the simplest correct one: the leaf in the row layout of
 :mod:`pallas_gpu` (each mask block padded to whole rows of ``block_cols``, rows
