@@ -2,14 +2,17 @@
 
 One short run on a machine with a GPU (about a minute after compilation):
 
-1. the Pallas (Triton) kernel against the XLA reference on random data -- float32
-   and bfloat16, odd sizes that need padding, row blocks, a parameter mask, weight
-   decay -- and ``adam_magma(implementation="pallas")`` against ``"xla"`` over a
-   few steps;
-2. the kernel alone: achieved bandwidth (28 bytes per parameter: read g, m, v, p;
+1. each GPU Pallas kernel -- Triton (``kernels/pallas_gpu.py``) and, on a
+   Hopper-class GPU with jax >= 0.12, Mosaic GPU (``kernels/pallas_mgpu.py``) --
+   against the XLA reference on random data -- float32 and bfloat16, odd sizes
+   that need padding, row blocks, a parameter mask, weight decay -- and
+   ``adam_magma(implementation="pallas")`` (the kernel the backend picks) against
+   ``"xla"`` over a few steps;
+2. each kernel alone: achieved bandwidth (28 bytes per parameter: read g, m, v, p;
    write m, v, update) against a donated device-to-device copy;
 3. the step-overhead table of ``benchmarks/step_overhead.py`` (interleaved rounds,
-   ratios against ``optax.adam``) with ``adam_magma`` xla and pallas;
+   ratios against ``optax.adam``) with ``adam_magma`` xla and pallas, at 1 M, 25 M
+   and 100 M parameters and on a transformer-shaped tree of 144 leaves;
 4. sparse training (issue 4) on this device: ``periodic_mask``'s exact top-k on a
    large leaf against numpy, and the cost of one refresh at ``every=100`` timed
    step by step as in ``benchmarks/sparse_state.py`` (donated buffers), with the
@@ -28,8 +31,10 @@ Usage::
                                                # at tiny sizes, Pallas interpreted
 
 ``--smoke`` checks the script itself (tests/test_gpu_check.py runs it on CPU): the
-kernel in interpret mode, tiny shapes, one round, and the overhead table with XLA
-only. Its timings mean nothing.
+Triton kernel in the generic Pallas interpreter and (jax >= 0.12) the Mosaic GPU
+kernel in the GPU interpreter, tiny shapes, one round, and the overhead table with
+XLA only. Its timings mean nothing. ``benchmarks/tpu_check.py`` is the same check
+for a TPU.
 """
 
 from __future__ import annotations
@@ -47,7 +52,11 @@ import optax
 
 import magma_optax as magma
 from magma_optax import _blocks
+from magma_optax import _compat
 from magma_optax import kernels
+from magma_optax.kernels import api
+from magma_optax.kernels import partitioned
+from magma_optax.kernels import reference
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sparse_state  # noqa: E402
@@ -67,14 +76,43 @@ SMOKE_CASES = [
 ]
 
 
-def _run_kernel(impl, gmv, kw, interpret=False):
-  extra = {"interpret": True} if interpret and impl == "pallas" else {}
-  fn = lambda g, m, v: kernels.masked_adam(g, m, v, implementation=impl, **extra, **kw)
+def gpu_backends() -> list[str]:
+  """The GPU kernels this jax and device can run: Triton, and Mosaic GPU on a
+  Hopper-class GPU with jax >= 0.12 (on CPU, for --smoke: where the interpreter is)."""
+  out = ["triton"]
+  on_cpu = jax.default_backend() == "cpu"
+  if _compat.has_mosaic_gpu() and (on_cpu or api.is_hopper(jax.devices()[0])):
+    out.append("mosaic_gpu")
+  return out
+
+
+def _run_kernel(backend, gmv, kw, interpret=False):
+  """``backend``: "xla", or a Pallas kernel of ``partitioned.BACKENDS``."""
+  if backend == "xla":
+    fn = lambda g, m, v: kernels.masked_adam(g, m, v, implementation="xla", **kw)
+    return jax.jit(fn)(*gmv)
+  kw = dict(kw)
+  constants = reference.AdamConstants()
+  count, lr, wd = kw.pop("count"), kw.pop("learning_rate"), kw.pop("weight_decay")
+
+  def fn(g, m, v):
+    hyper = reference.hyperparams(count, lr, wd, constants)
+    return partitioned.masked_adam_pallas_partitioned(
+      g, m, v, hyper, constants, interpret=interpret, backend=backend, **kw
+    )
+
   return jax.jit(fn)(*gmv)
 
 
-def check_kernel(cases=CASES, interpret=False) -> bool:
-  """Pallas vs XLA on random data; prints one line per case."""
+def check_kernel(cases=CASES, interpret=False, backends=("triton",)) -> bool:
+  """Each kernel of ``backends`` vs XLA on random data; one line per case."""
+  ok = True
+  for backend in backends:
+    ok &= _check_backend(cases, interpret, backend)
+  return ok
+
+
+def _check_backend(cases, interpret, backend) -> bool:
   ok = True
   for i, (shape, gran, dtype, use_mask) in enumerate(cases):
     k = jax.random.split(jax.random.key(i), 6)
@@ -89,9 +127,7 @@ def check_kernel(cases=CASES, interpret=False) -> bool:
       weight_decay=0.1,
       param_mask=jax.random.bernoulli(k[5], 0.8, shape) if use_mask else None,
     )  # fmt: skip
-    want, got = (
-      _run_kernel(impl, (g, m, v), kw, interpret) for impl in ("xla", "pallas")
-    )
+    want, got = (_run_kernel(b, (g, m, v), kw, interpret) for b in ("xla", backend))
     errs = []
     for name, a, b in zip(want._fields, got, want, strict=True):
       a32, b32 = np.asarray(a, np.float32), np.asarray(b, np.float32)
@@ -102,7 +138,7 @@ def check_kernel(cases=CASES, interpret=False) -> bool:
     ok &= case_ok
     worst = max(errs, key=lambda x: x[1])
     print(
-      f"kernel {shape} {gran} {jnp.dtype(dtype).name} mask={use_mask}: worst"
+      f"kernel[{backend}] {shape} {gran} {jnp.dtype(dtype).name} mask={use_mask}: worst"
       f" {worst[0]} rel err {worst[1]:.1e} (tol {tol:.0e})"
       f" {'OK' if case_ok else 'FAIL'}"
     )
@@ -110,6 +146,7 @@ def check_kernel(cases=CASES, interpret=False) -> bool:
 
 
 def check_optimizer(num_params=2_000_000, interpret=False) -> bool:
+  """``adam_magma(implementation="pallas", interpret=interpret)`` vs ``"xla"``."""
   params, grads = step_overhead.make_params(num_params, 4)
   out = {}
   for impl in ("xla", "pallas"):
@@ -118,7 +155,7 @@ def check_optimizer(num_params=2_000_000, interpret=False) -> bool:
       key=0,
       granularity="row",
       implementation=impl,
-      interpret=interpret and impl == "pallas",
+      interpret=interpret if impl == "pallas" else False,
     )
     state, p = tx.init(params), params
     update = jax.jit(tx.update)
@@ -142,22 +179,27 @@ def check_optimizer(num_params=2_000_000, interpret=False) -> bool:
   )
   ok = err <= 1e-5 and same_masks
   print(
-    f"adam_magma pallas vs xla, 3 steps: rel err {err:.1e}, masks equal"
+    f"adam_magma pallas[{api.pallas_backend(interpret)}] vs xla, 3 steps: rel err"
+    f" {err:.1e}, masks equal"
     f" {same_masks}: {'OK' if ok else 'FAIL'}"
   )
   return ok
 
 
-def kernel_bandwidth(num_params: int, rounds: int, interpret=False) -> None:
-  """The kernel alone (tensor blocks) vs a donated copy, interleaved."""
+def kernel_bandwidth(
+  num_params: int, rounds: int, interpret=False, backend="triton"
+) -> None:
+  """The kernel of ``backend`` alone (tensor blocks) vs a donated copy, interleaved."""
   shape = (max(num_params // 4096, 1), 4096)
   g, m, v, p = (jax.random.normal(jax.random.key(i), shape) for i in range(4))
+  constants = reference.AdamConstants()
 
   @functools.partial(jax.jit, donate_argnums=(1, 2))
   def fused(g, m, v, p):
-    out = kernels.masked_adam(
-      g, m, v, count=3, learning_rate=1e-3, params=p, weight_decay=0.1,
-      scale=jnp.asarray(0.5), implementation="pallas", interpret=interpret,
+    hyper = reference.hyperparams(3, 1e-3, 0.1, constants)
+    out = partitioned.masked_adam_pallas_partitioned(
+      g, m, v, hyper, constants, params=p, scale=jnp.asarray(0.5),
+      interpret=interpret, backend=backend,
     )  # fmt: skip
     return out.mu, out.nu, out.update
 
@@ -182,7 +224,8 @@ def kernel_bandwidth(num_params: int, rounds: int, interpret=False) -> None:
   bw = 28 * n / np.median(t_fused) / 1e9
   copy_bw = 8 * n / np.median(t_copy) / 1e9
   print(
-    f"kernel alone, {n / 1e6:.0f} M params: {bw:.0f} GB/s (28 B/param), copy"
+    f"bandwidth[{backend}] kernel alone, {n / 1e6:.0f} M params: {bw:.0f} GB/s"
+    f" (28 B/param), copy"
     f" {copy_bw:.0f} GB/s -> {bw / copy_bw:.0%} of copy (target >= 80%)"
   )
 
@@ -287,21 +330,28 @@ def main(argv=None):
   args = parser.parse_args(argv)
   dev = jax.devices()[0]
   print(f"# jax {jax.__version__}, {dev.device_kind} ({jax.default_backend()})")
+  backends = gpu_backends()
   if args.smoke:
     print("smoke run: Pallas interpreted, tiny sizes; timings mean nothing")
-    ok = check_kernel(SMOKE_CASES, interpret=True)
-    ok &= check_optimizer(8192, interpret=True)
+    ok = check_kernel(SMOKE_CASES, interpret=True, backends=backends)
+    # True: the Triton kernel in the generic interpreter; "gpu": Mosaic GPU's.
+    for interpret in [True] + (["gpu"] if "mosaic_gpu" in backends else []):
+      ok &= check_optimizer(8192, interpret=interpret)
     ok &= check_top_k((256, 512))
-    kernel_bandwidth(8192, 1, interpret=True)
+    for backend in backends:
+      kernel_bandwidth(8192, 1, interpret=True, backend=backend)
     sizes, rounds, implementations = [8192], 1, ["xla"]
   elif jax.default_backend() != "gpu":
-    print("no GPU: this script checks the Pallas GPU kernel; nothing to do.")
+    print("no GPU: this script checks the Pallas GPU kernels; nothing to do.")
     return 0
   else:
-    ok = check_kernel()
+    print(f"GPU kernels: {backends}; implementation='pallas' runs"
+          f" {api.pallas_backend(False)!r}")  # fmt: skip
+    ok = check_kernel(backends=backends)
     ok &= check_optimizer()
     ok &= check_top_k()
-    kernel_bandwidth(64 * 2**20, args.rounds)
+    for backend in backends:
+      kernel_bandwidth(64 * 2**20, args.rounds, backend=backend)
     sizes = [x if x == "transformer" else int(float(x)) for x in args.sizes.split(",")]
     rounds, implementations = args.rounds, ["xla", "pallas"]
   for size in sizes:

@@ -125,7 +125,7 @@ def adam_magma(
   where: _scoping.Where = None,
   labels: _scoping.Labels = None,
   implementation: str | Sequence[str] | None = None,
-  interpret: bool = False,
+  interpret: bool | str = False,
   block_sizes: kernels.BlockSizes | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Adam (or AdamW) with Magma masking, fused: one kernel call per leaf.
@@ -169,7 +169,14 @@ def adam_magma(
     implementation: kernel choice, see :func:`magma_optax.kernels.masked_adam`:
       ``"xla"``, ``"pallas"``, a sequence, or ``None``
       (``kernels.DEFAULT_IMPLEMENTATIONS``, XLA for now).
-    interpret: run the Pallas kernel in the interpreter (CPU tests only).
+    interpret: run the Pallas kernel on CPU in an interpreter (tests only, small
+      sizes; slow). ``False`` (default) compiles for the device; ``True`` runs the
+      Triton-layout kernel in the generic Pallas interpreter; ``"tpu"`` the Mosaic
+      TPU kernel in the TPU interpreter (``pltpu.InterpretParams``); ``"gpu"`` the
+      Mosaic GPU kernel in its interpreter (``plgpu.InterpretGPUParams``, jax >=
+      0.12). Used with ``implementation="pallas"``. Any other value, or an
+      interpreter the installed jax lacks, raises ``ValueError`` at the first
+      update (see :func:`magma_optax.kernels.masked_adam`).
     block_sizes: Pallas tile shape (default: the heuristic).
 
   Returns:

@@ -46,6 +46,41 @@ def pallas():
   return pl
 
 
+@functools.cache
+def pallas_tpu():
+  """``jax.experimental.pallas.tpu`` (Mosaic TPU; its interpreter runs on CPU)."""
+  from jax.experimental.pallas import tpu as pltpu
+
+  return pltpu
+
+
+def has_mosaic_gpu() -> bool:
+  """Whether this jax has Mosaic GPU's public Pallas API and its interpreter.
+
+  ``plgpu.InterpretGPUParams`` became public in jax 0.12; older lines (0.10.x)
+  keep only the Triton backend usable from this package.
+  """
+  try:
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+  except ImportError:  # a jaxlib built without it
+    return False
+  return JAX_VERSION >= (0, 12) and hasattr(plgpu, "InterpretGPUParams")
+
+
+@functools.cache
+def pallas_mosaic_gpu():
+  """``jax.experimental.pallas.mosaic_gpu`` (jax >= 0.12: :func:`has_mosaic_gpu`)."""
+  if not has_mosaic_gpu():
+    raise ValueError(
+      "the Mosaic GPU kernel and its interpreter (interpret='gpu') need jax >= 0.12"
+      f" (jax.experimental.pallas.mosaic_gpu.InterpretGPUParams); jax {jax.__version__}"
+      " is installed. Use interpret='tpu' or True, or upgrade jax."
+    )
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  return plgpu
+
+
 def triton_compiler_params(num_warps: int) -> Any:
   """Compiler params of the Pallas Triton backend (needs a GPU-enabled jaxlib)."""
   from jax.experimental.pallas import triton as plgpu

@@ -24,6 +24,8 @@ NO_EXAMPLES = {
   "magma_optax.kernels",
   "magma_optax.kernels.config",
   "magma_optax.kernels.pallas_gpu",
+  "magma_optax.kernels.pallas_mgpu",
+  "magma_optax.kernels.pallas_tpu",
   "magma_optax.kernels.partitioned",
   "magma_optax.kernels.reference",
 }

@@ -1,6 +1,7 @@
 """benchmarks/gpu_check.py must work the first time a GPU is lent (a short device
 budget leaves no room for a crash): ``--smoke`` runs every code path of it on CPU,
-the Pallas kernel interpreted at tiny sizes, and must pass its own correctness checks.
+the Pallas kernels interpreted at tiny sizes (Triton in the generic interpreter,
+Mosaic GPU in its own on jax >= 0.12), and must pass its own correctness checks.
 """
 
 from __future__ import annotations
@@ -23,10 +24,15 @@ def test_gpu_check_smoke_run_passes(capsys, monkeypatch):
     sys.modules.pop("step_overhead", None)
   out = capsys.readouterr().out
   lines = out.splitlines()
+  backends = module.gpu_backends()  # Triton; Mosaic GPU on jax >= 0.12
+  assert ("mosaic_gpu" in backends) == module._compat.has_mosaic_gpu()
   checks = [
-    x for x in lines if x.startswith(("kernel (", "adam_magma pallas", "top-k "))
+    x for x in lines if x.startswith(("kernel[", "adam_magma pallas", "top-k "))
   ]
-  assert len(checks) == len(module.SMOKE_CASES) + 1 + 3  # kernels, optimizer, top-k
+  want = len(module.SMOKE_CASES) * len(backends) + len(backends) + 3
+  assert len(checks) == want, checks  # kernels, optimizer per backend, top-k
+  for backend in backends:
+    assert any(x.startswith(f"bandwidth[{backend}] ") for x in lines), backend
   assert all(x.endswith("OK") for x in checks), checks
   assert "ALL CHECKS OK" in out
   assert "| adam_magma[xla] |" in out

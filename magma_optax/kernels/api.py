@@ -5,15 +5,25 @@ block, and returns the per-block partial sums of Magma's cosine (see
 :mod:`magma_optax.kernels.reference` for the math). Implementations:
 
 * ``"xla"``: plain ``jax.numpy`` (:mod:`reference`), any backend; the CPU default.
-* ``"pallas"``: the Pallas kernel (:mod:`pallas_gpu`): Triton on GPU; anywhere with
-  ``interpret=True`` (slow: tests only). Needs contiguous blocks. On sharded leaves
-  it runs once per shard (:mod:`partitioned`): no leaf is gathered.
+* ``"pallas"``: a Pallas kernel, the one for the backend (:func:`pallas_backend`):
+  Mosaic TPU on a TPU (:mod:`pallas_tpu`), Mosaic GPU on a Hopper-class GPU with
+  jax >= 0.12 (:mod:`pallas_mgpu`), Triton on other GPUs and on jax < 0.12
+  (:mod:`pallas_gpu`). Needs contiguous blocks. On sharded leaves it runs once per
+  shard (:mod:`partitioned`): no leaf is gathered.
 * a sequence such as ``("pallas", "xla")``: the first that can run.
 
+``interpret=`` runs the Pallas kernel on CPU (slow: tests only, small sizes):
+``True`` the Triton-layout kernel in the generic Pallas interpreter; ``"tpu"`` the
+Mosaic TPU kernel in ``pltpu.InterpretParams()`` (its tiles, SMEM scalars and
+grid-ordered accumulation exercised); ``"gpu"`` the Mosaic GPU kernel in
+``plgpu.InterpretGPUParams()`` (jax >= 0.12). ``False`` compiles for the device.
+Any other value, or an interpreter this jax lacks, raises ``ValueError``
+(:func:`check_interpret`).
+
 ``implementation=None`` tries ``DEFAULT_IMPLEMENTATIONS`` -- XLA for now, until the
-Pallas kernel has been validated on a GPU by ``benchmarks/gpu_check.py`` -- and falls
-back silently to XLA off-accelerator. An explicit request that cannot run raises
-``ValueError`` at trace time, saying why.
+Pallas kernels have been measured on a GPU and a TPU by ``benchmarks/gpu_check.py``
+and ``benchmarks/tpu_check.py`` -- and falls back silently to XLA off-accelerator.
+An explicit request that cannot run raises ``ValueError`` at trace time, saying why.
 
 The per-block scale may depend on this step's alignment sums (Magma's score needs
 cos(m_t, g_t) before the update is scaled). Pass ``scale=`` a callable
@@ -53,23 +63,81 @@ import jax
 import jax.numpy as jnp
 
 from magma_optax import _blocks
+from magma_optax import _compat
 from magma_optax.kernels import config as config_lib
 from magma_optax.kernels import pallas_gpu
 from magma_optax.kernels import partitioned
 from magma_optax.kernels import reference
 
 IMPLEMENTATIONS = ("xla", "pallas")
-# Tried in order when implementation=None. XLA only until benchmarks/gpu_check.py has
-# validated the Pallas kernel on a real GPU (it has run only in interpret mode so far,
-# and the byte count suggests XLA may be as fast there): a default must never be the
-# first place an unverified kernel compiles. Ask for "pallas" explicitly to use it.
+INTERPRETERS = (False, True, "tpu", "gpu")
+# Tried in order when implementation=None. XLA only until benchmarks/gpu_check.py and
+# benchmarks/tpu_check.py have measured the Pallas kernels on a real GPU / TPU (they
+# have run only in interpreters so far, and the byte count -- benchmarks/RESULTS.md --
+# suggests XLA may be as fast): a default must never be the first place an unverified
+# kernel compiles. Ask for "pallas" explicitly to use one.
 DEFAULT_IMPLEMENTATIONS = ("xla",)
 
 ScaleFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 
+def check_interpret(interpret: Any) -> bool | str:
+  """``interpret`` if it is one of :data:`INTERPRETERS` this jax can run.
+
+  Raises:
+    ValueError: for any other value, naming the argument and the valid ones; for
+      ``"gpu"`` on a jax without Mosaic GPU's interpreter, naming the version
+      needed (jax >= 0.12).
+  """
+  if isinstance(interpret, bool):
+    return interpret
+  if isinstance(interpret, str) and interpret in ("tpu", "gpu"):
+    if interpret == "gpu":
+      _compat.pallas_mosaic_gpu()  # raises, naming the jax version needed
+    return interpret
+  raise ValueError(
+    f"interpret must be False, True (the generic Pallas interpreter), 'tpu'"
+    f" (the TPU interpreter) or 'gpu' (the Mosaic GPU interpreter, jax >= 0.12);"
+    f" got {interpret!r}."
+  )
+
+
+def is_hopper(device: Any) -> bool:
+  """Whether ``device`` is a Hopper-class NVIDIA GPU (sm_90: H100, H200, H800)."""
+  capability = getattr(device, "compute_capability", None)
+  if capability is not None:
+    return str(capability).startswith("9.")
+  kind = str(getattr(device, "device_kind", ""))
+  return any(name in kind for name in ("H100", "H200", "H800", "H20", "GH200"))
+
+
+def pallas_backend(interpret: bool | str = False) -> str:
+  """The kernel ``implementation="pallas"`` runs: see :data:`partitioned.BACKENDS`.
+
+  ``"mosaic_tpu"`` on a TPU or with ``interpret="tpu"``; ``"mosaic_gpu"`` with
+  ``interpret="gpu"`` or on a Hopper-class GPU with jax >= 0.12; ``"triton"``
+  otherwise (other GPUs, jax < 0.12, and the generic interpreter).
+  """
+  interpret = check_interpret(interpret)
+  if interpret == "tpu":
+    return "mosaic_tpu"
+  if interpret == "gpu":
+    return "mosaic_gpu"
+  if interpret:
+    return "triton"
+  backend = jax.default_backend()
+  if backend == "tpu":
+    return "mosaic_tpu"
+  if backend == "gpu" and _compat.has_mosaic_gpu() and is_hopper(jax.devices()[0]):
+    return "mosaic_gpu"
+  return "triton"
+
+
 def why_unavailable(
-  implementation: str, *, layout: _blocks.BlockLayout, interpret: bool = False
+  implementation: str,
+  *,
+  layout: _blocks.BlockLayout,
+  interpret: bool | str = False,
 ) -> str | None:
   """``None`` if ``implementation`` can run here, else the reason it cannot."""
   if implementation == "xla":
@@ -88,14 +156,12 @@ def why_unavailable(
   if interpret:
     return None
   backend = jax.default_backend()
-  if backend == "gpu":
+  if backend in ("gpu", "tpu"):
     return None
-  if backend == "tpu":
-    return "the TPU (Mosaic) kernel is not implemented yet; use 'xla' on TPU"
   return (
-    f"Pallas kernels need a GPU, and the default backend is {backend!r}; pass"
-    " interpret=True to run the kernel in the Pallas interpreter (slow; for tests)"
-    " or use implementation='xla'"
+    f"Pallas kernels need a GPU or a TPU, and the default backend is {backend!r};"
+    " pass interpret=True, 'tpu' or 'gpu' to run a kernel in an interpreter (slow;"
+    " for tests) or use implementation='xla'"
   )
 
 
@@ -103,14 +169,16 @@ def resolve_implementation(
   implementation: str | Sequence[str] | None,
   *,
   layout: _blocks.BlockLayout,
-  interpret: bool = False,
+  interpret: bool | str = False,
 ) -> str:
   """The implementation that will run (see the module docstring).
 
   Raises:
     ValueError: if an explicitly requested implementation (or every one of a
-      requested sequence) cannot run here, naming why.
+      requested sequence) cannot run here, naming why; if ``interpret`` is not
+      valid here (:func:`check_interpret`).
   """
+  interpret = check_interpret(interpret)
   if implementation is None:
     order = DEFAULT_IMPLEMENTATIONS
   elif isinstance(implementation, str):
@@ -147,7 +215,7 @@ def masked_adam(
   scale: jax.Array | ScaleFn | None = None,
   layout: _blocks.BlockLayout | None = None,
   implementation: str | Sequence[str] | None = None,
-  interpret: bool = False,
+  interpret: bool | str = False,
   block_sizes: config_lib.BlockSizes | None = None,
   mu_sq_norm_prev: jax.Array | None = None,
 ) -> reference.MaskedAdamOutput:
@@ -180,7 +248,10 @@ def masked_adam(
     implementation: ``"xla"``, ``"pallas"``, a sequence to try in order, or
       ``None`` (``DEFAULT_IMPLEMENTATIONS``: XLA until the Pallas kernel is
       validated on a GPU).
-    interpret: run the Pallas kernel in the interpreter (CPU tests).
+    interpret: ``False`` (compile for the device), ``True`` (the Triton-layout
+      kernel in the generic Pallas interpreter), ``"tpu"`` (the Mosaic TPU
+      kernel in the TPU interpreter) or ``"gpu"`` (the Mosaic GPU kernel in its
+      interpreter; jax >= 0.12). For CPU tests at small sizes.
     block_sizes: Pallas tile shape (default: :meth:`BlockSizes.get_default`).
     mu_sq_norm_prev: optional per-block ||m||^2 of the incoming ``mu`` (the
       previous step's ``mu_sq_norm``); lets the XLA path skip one reduction. Only
@@ -190,7 +261,9 @@ def masked_adam(
     A :class:`MaskedAdamOutput` (new moments, masked update, per-block sums).
 
   Raises:
-    ValueError: if an explicitly requested implementation cannot run here.
+    ValueError: if an explicitly requested implementation cannot run here, or
+      ``interpret`` is not one of the values above (or names an interpreter this
+      jax lacks).
 
   Example:
     >>> import jax.numpy as jnp
@@ -212,6 +285,7 @@ def masked_adam(
     )
   if tuple(layout.shape) != tuple(grad.shape):
     raise ValueError(f"layout is for shape {layout.shape}, grad has {grad.shape}.")
+  interpret = check_interpret(interpret)
   impl = resolve_implementation(implementation, layout=layout, interpret=interpret)
   constants = reference.AdamConstants(float(b1), float(b2), float(eps), float(eps_root))
   hyper = reference.hyperparams(count, learning_rate, weight_decay, constants)
@@ -241,7 +315,7 @@ def masked_adam(
   out = partitioned.masked_adam_pallas_partitioned(
     grad, mu, nu, hyper, constants, scale=scale, layout=layout,
     param_mask=param_mask, params=params, block_sizes=block_sizes,
-    interpret=interpret,
+    interpret=bool(interpret), backend=pallas_backend(interpret),
   )  # fmt: skip
   if sums is None:
     return out

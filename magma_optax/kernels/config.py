@@ -6,6 +6,12 @@ padded to a multiple of ``block_cols`` and cut into rows of that width, and the 
 walks over tiles of ``block_rows`` rows. Both sizes are powers of two (Triton needs
 them). A tile of 4096 entries keeps the six f32 streams of one program in registers
 on current GPUs; small leaves get smaller tiles so that padding stays small.
+
+The TPU kernel (:mod:`magma_optax.kernels.pallas_tpu`) reads the same two fields its
+own way -- ``block_cols`` is the row length when a block spans several rows,
+``block_rows`` the rows of a tile, a multiple of the dtype's sublanes -- and without
+them plans its tiles itself (``pallas_tpu.plan_tiles``: TPU rows need not be powers
+of two, and the plan avoids padding copies).
 """
 
 from __future__ import annotations

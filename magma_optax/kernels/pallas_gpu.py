@@ -1,4 +1,4 @@
-"""The fused masked-Adam step as a Pallas kernel (Triton on GPU; interpreter on CPU).
+"""The fused masked-Adam step as a Pallas Triton kernel (GPU; interpreter on CPU).
 
 One pass over memory per leaf: each program loads a tile of g, m, v (and p for weight
 decay, the parameter mask where given), computes the new moments, the masked update
@@ -14,8 +14,11 @@ block to be contiguous in memory (``"tensor"``, ``"row"``, ``"element"`` and any
 Padding copies the leaf, so it costs bandwidth; sizes that are multiples of the tile
 need none. The parameter mask travels as int8 (Triton loads bytes, not bits).
 
-The TPU (Mosaic) lowering of this kernel is not written yet: Mosaic needs (8, 128)
-tiles and sequential accumulation of the sums, a different kernel.
+This kernel runs where Triton is the only option (jax < 0.12, GPUs older than
+Hopper; see :mod:`pallas_mgpu` for why) and under the generic Pallas interpreter
+(``interpret=True``). TPUs get :mod:`pallas_tpu` (Mosaic needs (8, 128) tiles and
+sums accumulated over an "arbitrary" grid axis: a different kernel), Hopper GPUs
+on jax >= 0.12 get :mod:`pallas_mgpu`.
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ def _kernel(*refs, constants, has_mask, has_params):
   gsq_out[...] = jnp.sum(g * g, axis=1)
 
 
-def _to_rows(x, num_blocks, block_size, padded_size, num_rows, cols):
+def to_rows(x, num_blocks, block_size, padded_size, num_rows, cols):
   """(leaf) -> (num_rows, cols): blocks padded to ``padded_size``, rows padded."""
   x = x.reshape(num_blocks, block_size)
   if padded_size != block_size:
@@ -99,9 +102,17 @@ def _to_rows(x, num_blocks, block_size, padded_size, num_rows, cols):
   return x
 
 
-def _from_rows(x, shape, num_blocks, block_size, padded_size):
+def from_rows(x, shape, num_blocks, block_size, padded_size):
+  """(num_rows, cols) -> the leaf: the inverse of :func:`to_rows`."""
   x = x[: num_blocks * padded_size // x.shape[1]].reshape(num_blocks, padded_size)
   return x[:, :block_size].reshape(shape)
+
+
+def row_sums_to_blocks(row_sums, layout: _blocks.BlockLayout, rows_per_block: int):
+  """Per-row partial sums -> per-block sums of ``layout.block_shape``."""
+  nb = layout.num_blocks
+  per_block = row_sums[: nb * rows_per_block].reshape(nb, rows_per_block)
+  return jnp.sum(per_block, axis=1).reshape(layout.block_shape)
 
 
 def masked_adam_pallas(
@@ -144,20 +155,20 @@ def masked_adam_pallas(
   padded = -(-bs // cols) * cols
   rows_per_block = padded // cols
   num_rows = -(-(nb * rows_per_block) // rows) * rows
-  to_rows = functools.partial(
-    _to_rows, num_blocks=nb, block_size=bs, padded_size=padded,
+  rows_of = functools.partial(
+    to_rows, num_blocks=nb, block_size=bs, padded_size=padded,
     num_rows=num_rows, cols=cols,
   )  # fmt: skip
   if scale is None:
     scale = jnp.ones(layout.block_shape, jnp.float32)
   row_scale = jnp.repeat(jnp.asarray(scale, jnp.float32).reshape(nb), rows_per_block)
   row_scale = jnp.pad(row_scale, (0, num_rows - row_scale.shape[0]))
-  inputs = [hyper.astype(jnp.float32), row_scale, to_rows(grad), to_rows(mu)]
-  inputs.append(to_rows(nu))
+  inputs = [hyper.astype(jnp.float32), row_scale, rows_of(grad), rows_of(mu)]
+  inputs.append(rows_of(nu))
   if param_mask is not None:
-    inputs.append(to_rows(param_mask.astype(jnp.int8)))
+    inputs.append(rows_of(param_mask.astype(jnp.int8)))
   if params is not None:
-    inputs.append(to_rows(params))
+    inputs.append(rows_of(params))
   tile = pl.BlockSpec((rows, cols), lambda i: (i, 0))
   row_vec = pl.BlockSpec((rows,), lambda i: (i,))
   hyper_spec = pl.BlockSpec((reference.NUM_HYPERPARAMS,), lambda i: (0,))
@@ -192,18 +203,7 @@ def masked_adam_pallas(
     name="masked_adam",
   )(*inputs)
   back = functools.partial(
-    _from_rows, shape=shape, num_blocks=nb, block_size=bs, padded_size=padded
+    from_rows, shape=shape, num_blocks=nb, block_size=bs, padded_size=padded
   )
-
-  def block_sums(row_sums):
-    per_block = row_sums[: nb * rows_per_block].reshape(nb, rows_per_block)
-    return jnp.sum(per_block, axis=1).reshape(layout.block_shape)
-
-  return reference.MaskedAdamOutput(
-    back(new_m),
-    back(new_v),
-    back(u),
-    block_sums(dot),
-    block_sums(msq),
-    block_sums(gsq),
-  )
+  sums = (row_sums_to_blocks(x, layout, rows_per_block) for x in (dot, msq, gsq))
+  return reference.MaskedAdamOutput(back(new_m), back(new_v), back(u), *sums)

@@ -1,4 +1,9 @@
-"""The Pallas kernel on sharded leaves: one kernel per shard, no gathered tensor.
+"""The Pallas kernels on sharded leaves: one kernel per shard, no gathered tensor.
+
+``backend`` names the kernel that runs per shard: ``"triton"``
+(:mod:`pallas_gpu`), ``"mosaic_tpu"`` (:mod:`pallas_tpu`) or ``"mosaic_gpu"``
+(:mod:`pallas_mgpu`); all three take the same arguments and return the same
+outputs, so the partitioning below is the same for each.
 
 A ``pallas_call`` is opaque to XLA's SPMD partitioner: on a leaf sharded over a mesh
 XLA would gather the whole leaf to every device and run the kernel on it there --
@@ -21,11 +26,21 @@ it restricted to the axes that index blocks.
 * ``jax.vmap``: a ``custom_vmap`` rule maps the unpartitioned kernel (the
   partitioner has no batching rule), so a vmapped step on sharded leaves may gather;
   on Explicit axes a batch axis that is itself sharded fails in ``pallas_call``'s
-  batching rule.
+  batching rule. The Triton kernel is batched by ``pallas_call``'s rule (one more
+  grid axis); the Mosaic kernels run once per example (``lax.map``), because that
+  rule breaks the TPU kernel's dimension semantics and the Mosaic GPU kernel's
+  arguments.
 * A 1-D tile granularity (``(t,)``) splits the last axis into blocks of ``t``; that
   axis stays sharded when every shard holds whole tiles, else the kernel sees it
   whole (gathered along that axis: the one case that moves a parameter-sized array
   between devices) and each device keeps its part of the outputs.
+
+Interpreted Mosaic kernels (``interpret="tpu"`` / ``"gpu"``, CPU tests): those
+interpreters sequence the simulated device with *ordered* callbacks, an effect
+``custom_partitioning`` cannot lower, so on Auto axes (and on one device) they run
+unpartitioned -- XLA gathers a sharded leaf for them, which on the CPU simulation
+costs only time; on Explicit axes they run per shard under ``shard_map`` as above.
+Compiled kernels (``interpret=False``) have no effects and partition as described.
 
 Not supported (use ``implementation="xla"``): meshes that mix Explicit and Auto axes
 (the leaf is gathered along the Auto axes), and shardings the partitioner cannot name
@@ -48,7 +63,22 @@ from magma_optax import _blocks
 from magma_optax import _compat
 from magma_optax.kernels import config as config_lib
 from magma_optax.kernels import pallas_gpu
+from magma_optax.kernels import pallas_mgpu
+from magma_optax.kernels import pallas_tpu
 from magma_optax.kernels import reference
+
+BACKENDS = ("triton", "mosaic_tpu", "mosaic_gpu")
+
+
+def kernel_for(backend: str):
+  """The per-leaf kernel function of ``backend`` (looked up at call time)."""
+  if backend == "triton":
+    return pallas_gpu.masked_adam_pallas
+  if backend == "mosaic_tpu":
+    return pallas_tpu.masked_adam_pallas_tpu
+  if backend == "mosaic_gpu":
+    return pallas_mgpu.masked_adam_pallas_mgpu
+  raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}.")
 
 
 def _splits_last_axis(layout: _blocks.BlockLayout) -> bool:
@@ -130,6 +160,7 @@ def _kernel_fns(
   interpret: bool,
   has_mask: bool,
   has_params: bool,
+  backend: str = "triton",
 ):
   """(per-shard function maker, partitioned kernel) for one static configuration."""
 
@@ -138,7 +169,7 @@ def _kernel_fns(
     mask = next(it) if has_mask else None
     params = next(it) if has_params else None
     return tuple(
-      pallas_gpu.masked_adam_pallas(
+      kernel_for(backend)(
         g, m, v, hyper, constants, scale=scale, layout=layout_,
         param_mask=mask, params=params, block_sizes=block_sizes,
         interpret=interpret,
@@ -200,18 +231,27 @@ def _kernel_fns(
     ),
   )
 
-  @jax.custom_batching.custom_vmap
-  def batchable(*args):
-    return kernel(*args)
+  def batched(fn):
+    """``fn`` with a vmap rule that maps the unpartitioned kernel over the batch."""
+    fn = jax.custom_batching.custom_vmap(fn)
 
-  @batchable.def_vmap
-  def _vmap_rule(axis_size, in_batched, *args):
-    del axis_size
-    axes = [0 if b else None for b in in_batched]
-    out = jax.vmap(functools.partial(run, layout), in_axes=axes)(*args)
-    return out, (True,) * len(out)
+    @fn.def_vmap
+    def _vmap_rule(axis_size, in_batched, *args):
+      one = functools.partial(run, layout)
+      if backend == "triton":  # pallas_call's batching rule adds a grid axis
+        axes = [0 if b else None for b in in_batched]
+        return jax.vmap(one, in_axes=axes)(*args), (True,) * 6
+      # Mosaic kernels: their grid's dimension semantics (TPU) and kernel
+      # arguments (Mosaic GPU) do not survive that rule; one call per example.
+      args = [
+        x if b else jnp.broadcast_to(x, (axis_size, *x.shape))
+        for x, b in zip(args, in_batched, strict=True)
+      ]
+      return jax.lax.map(lambda xs: one(*xs), args), (True,) * 6
 
-  return per_shard, batchable
+    return fn
+
+  return per_shard, batched(kernel), batched(per_shard(()))
 
 
 def _first_sharded_spec(shardings) -> PartitionSpec:
@@ -253,11 +293,14 @@ def masked_adam_pallas_partitioned(
   params: jax.Array | None = None,
   block_sizes: config_lib.BlockSizes | None = None,
   interpret: bool = False,
+  backend: str = "triton",
 ) -> reference.MaskedAdamOutput:
-  """:func:`pallas_gpu.masked_adam_pallas` that runs per shard on sharded leaves.
+  """The kernel of ``backend`` run per shard on sharded leaves.
 
-  Same arguments and result (see the module docstring for what happens under
-  sharding, ``shard_map`` and ``vmap``).
+  Same arguments and result as :func:`pallas_gpu.masked_adam_pallas` (see the
+  module docstring for what happens under sharding, ``shard_map`` and ``vmap``);
+  ``interpret`` runs that kernel in its backend's interpreter (the generic one for
+  ``"triton"``).
 
   Raises:
     ValueError: if the layout's blocks are not contiguous.
@@ -267,13 +310,18 @@ def masked_adam_pallas_partitioned(
   if scale is None:
     scale = jnp.ones(layout.block_shape, jnp.float32)
   scale = jnp.asarray(scale, jnp.float32).reshape(layout.block_shape)
-  per_shard, kernel = _kernel_fns(
+  kernel_for(backend)  # a bad name fails here, not inside the partitioner
+  per_shard, kernel, unpartitioned = _kernel_fns(
     constants, layout, block_sizes, bool(interpret), param_mask is not None,
-    params is not None,
+    params is not None, backend,
   )  # fmt: skip
   args = [hyper.astype(jnp.float32), scale, grad, mu, nu]
   args += [x for x in (param_mask, params) if x is not None]
   mesh, spec = _explicit_mesh_and_spec(args[2:])
+  if mesh is None and interpret and backend != "triton":
+    # The TPU and Mosaic GPU interpreters order their steps with ordered
+    # callbacks, an effect custom_partitioning cannot lower: run unpartitioned.
+    return reference.MaskedAdamOutput(*unpartitioned(*args))
   if mesh is None:  # Auto axes or one device: the partitioner calls back
     return reference.MaskedAdamOutput(*kernel(*args))
   # Explicit axes: the shardings are known now, so map over the shards directly.
