@@ -234,8 +234,11 @@ def test_complex_parameters_are_a_clear_error_not_a_real_update():
   real_state = tx.init({"w": jnp.ones((2, 3)), "r": jnp.ones(3)})
   with pytest.raises(ValueError, match=r"complex parameters \(at \[\"\['w'\]\"\]\)"):
     tx.update(grads, real_state, params)
-  # The wrapper leaves complex leaves to the base (never masked): plain Adam there.
-  wrapped = magma.magma(optax.adam(1e-2))
-  u, _ = wrapped.update(grads, wrapped.init(params), params)
+  # The wrapper masks complex leaves (real cosine; tests/test_complex.py): with
+  # keep_prob=1 its update is the score times Adam's complex update.
+  wrapped = magma.magma(optax.adam(1e-2), keep_prob=1.0)
+  u, state = wrapped.update(grads, wrapped.init(params), params)
   want, _ = optax.adam(1e-2).update(grads, optax.adam(1e-2).init(params))
-  np.testing.assert_allclose(u["w"], want["w"], rtol=1e-6)
+  s = state.mask_state.scores["w"]
+  np.testing.assert_allclose(u["w"], s * want["w"], rtol=1e-6)
+  assert np.any(np.imag(u["w"]) != 0)
