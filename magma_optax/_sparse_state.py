@@ -273,6 +273,38 @@ def _explicit_axes(x: Any) -> set[str]:
   return explicit & used
 
 
+def _reject_explicit(grad: Any, mask: Any, what: str, items: str) -> None:
+  """Flat (index-addressed) storages cannot follow an ``Explicit`` sharding."""
+  axes = _explicit_axes(grad) | _explicit_axes(mask)
+  if axes:
+    raise ValueError(
+      f"sparse_state: {what} does not support leaves sharded over Explicit mesh"
+      f" axes ({sorted(axes)}): it keeps one vector of the active {items} per"
+      " leaf, addressed by global indices. Use mode='skip', or N:M compact"
+      " storage (structure=(n, m)), which keeps the parameter's sharding."
+    )
+
+
+def _slot_indices(ctx: jax.Array, num: int) -> jax.Array:
+  """Inverse of the sorted active indices ``ctx`` (fill ``num``): per item its slot
+  in ``ctx``, ``len(ctx)`` for items that have none."""
+  k = ctx.shape[0]
+  return (
+    jnp.full((num,), k, jnp.int32)
+    .at[ctx]
+    .set(jnp.arange(k, dtype=jnp.int32), mode="drop", indices_are_sorted=True)
+  )
+
+
+def _moved(ctx: jax.Array, x: jax.Array, old_ctx: jax.Array, num: int) -> jax.Array:
+  """Stored entries ``x`` (slots of ``old_ctx``) moved to the slots of ``ctx``;
+  items new in ``ctx`` start from zero. Both are sorted, filled with ``num``."""
+  pos = jnp.clip(jnp.searchsorted(old_ctx, ctx), 0, x.shape[0] - 1)
+  found = (old_ctx[pos] == ctx) & (ctx < num)
+  found = found.reshape(found.shape + (1,) * (x.ndim - 1))
+  return jnp.where(found, x[pos], jnp.zeros([], x.dtype))
+
+
 def _capacity(size: int, density: float | None, structure) -> int:
   if structure is not None:
     return size * structure[0] // structure[1]
@@ -453,14 +485,7 @@ class _Compact(_Storage):
     )
 
   def prepare(self, mask, bits, grad):
-    axes = _explicit_axes(grad) | _explicit_axes(mask)
-    if axes:
-      raise ValueError(
-        f"sparse_state: unstructured compact storage does not support leaves"
-        f" sharded over Explicit mesh axes ({sorted(axes)}): it keeps one flat"
-        " vector per leaf. Use mode='skip', or N:M compact storage"
-        " (structure=(n, m)), which keeps the parameter's sharding."
-      )
+    _reject_explicit(grad, mask, "unstructured compact storage", "entries")
     flat = mask.reshape(-1)
     idx, n_active = _active_indices(flat, self.capacity)
     _check_capacity(n_active, self.capacity, self._overflow)
@@ -470,9 +495,7 @@ class _Compact(_Storage):
   def remap(self, ctx, x, bits):
     old_mask = jnp.unpackbits(bits, count=self.size).astype(jnp.bool_)
     old_idx, _ = _active_indices(old_mask, self.capacity)
-    pos = jnp.clip(jnp.searchsorted(old_idx, ctx), 0, x.shape[0] - 1)
-    found = (old_idx[pos] == ctx) & (ctx < self.size)
-    return jnp.where(found, x[pos], jnp.zeros([], x.dtype))
+    return _moved(ctx, x, old_idx, self.size)
 
   def gather(self, ctx, x):
     return jnp.take(
@@ -491,6 +514,101 @@ class _Compact(_Storage):
       .set(u, mode="drop", indices_are_sorted=True)
     )
     return full.reshape(self.shape)
+
+
+class _Tiles(_Storage):
+  """Compact tile storage: ``(capacity, r, c)``, the active ``r x c`` tiles of the
+  last two axes.
+
+  The leaf is viewed (a reshape, no copy) as ``(rows, r, cols, c)`` with ``rows`` =
+  the leading axes times ``R / r`` and ``cols = C / c``; tile ``t`` is ``(t //
+  cols, t % cols)``. Slot ``j`` holds the ``j``-th active tile in that order; the
+  stored tile set is kept as packed bits (1 bit per tile). Gathers and scatters move
+  whole tiles (``c`` contiguous entries per row of a tile). The update is expanded
+  from the compact tiles by a per-tile slot map (a gather over tiles), not scattered
+  into a zero array: XLA fuses that gather into ``optax.apply_updates``, so no
+  parameter-sized update is written.
+  """
+
+  scoped = True
+  needs_mask = True
+
+  def __init__(self, shape, name, block: tuple[int, int], capacity: int, limit):
+    super().__init__(shape, name)
+    r, c = block
+    *lead, rows, cols = self.shape
+    self.block = block
+    self.view = (math.prod(lead) * (rows // r), r, cols // c, c)
+    self.num_tiles = self.view[0] * self.view[2]
+    self.capacity = capacity
+    self.limit = limit  # how the capacity was set, for the overflow message
+
+  @property
+  def stored_shape(self):
+    return (self.capacity, *self.block)
+
+  def init_leaf(self, x):
+    return jnp.zeros(self.stored_shape, x.dtype)
+
+  def init_bits(self):
+    return jnp.zeros(((self.num_tiles + 7) // 8,), jnp.uint8)
+
+  def _overflow(self, active: int) -> str:
+    return (
+      f"sparse_state compact capacity overflow: leaf {self.name} ({self.num_tiles}"
+      f" tiles of {self.block[0]}x{self.block[1]}) has {active} active tiles in its"
+      f" parameter mask, more than its compact storage holds: capacity"
+      f" {self.limit} = {self.capacity}. Raise `density` to at least"
+      f" {active / self.num_tiles:.4g} (the densest mask of the run: under a"
+      " sparsity ramp, the early masks), or use mode='skip'."
+    )
+
+  def _not_tiles(self, differ: int) -> str:
+    r, c = self.block
+    return (
+      f"sparse_state: the parameter mask of leaf {self.name} is not made of whole"
+      f" {r}x{c} tiles (block={self.block}): {differ} entries differ from the first"
+      f" entry of their tile. Build it with periodic_mask(..., block=({r}, {c})),"
+      " give sparse_state the same block, or use mode='skip'."
+    )
+
+  def prepare(self, mask, bits, grad):
+    _reject_explicit(grad, mask, "compact tile storage", "tiles")
+    m4 = mask.reshape(self.view)
+    tiles = m4[:, 0, :, 0]
+    # One pass over the mask: every entry must equal its tile's first entry.
+    differ = jnp.sum(m4 != tiles[:, None, :, None], dtype=jnp.int32)
+    _check_capacity(differ, 0, self._not_tiles)
+    flat = tiles.reshape(-1)
+    idx, n_active = _active_indices(flat, self.capacity)
+    _check_capacity(n_active, self.capacity, self._overflow)
+    new_bits = jnp.packbits(flat)
+    return idx, new_bits, jnp.any(new_bits != bits)
+
+  def remap(self, ctx, x, bits):
+    old_tiles = jnp.unpackbits(bits, count=self.num_tiles).astype(jnp.bool_)
+    old_idx, _ = _active_indices(old_tiles, self.capacity)
+    return _moved(ctx, x, old_idx, self.num_tiles)
+
+  def gather(self, ctx, x):
+    cols = self.view[2]
+    return (
+      x.reshape(self.view)
+      .at[ctx // cols, :, ctx % cols, :]
+      .get(mode="fill", fill_value=0, indices_are_sorted=True)
+    )
+
+  def stored_mask(self, ctx, mask):
+    del mask
+    return jnp.broadcast_to((ctx < self.num_tiles)[:, None, None], self.stored_shape)
+
+  def scatter(self, ctx, mask, u):
+    del mask
+    rows, r, cols, c = self.view
+    slot = _slot_indices(ctx, self.num_tiles).reshape(rows, cols)
+    # Slot `capacity` (an inactive tile) is out of range: the gather fills zeros.
+    full = jnp.take(u, slot, axis=0, mode="fill", fill_value=0)  # (rows, cols, r, c)
+    return jnp.swapaxes(full, 1, 2).reshape(self.shape)
 
 
 class _Grouped(_Storage):
@@ -554,6 +672,7 @@ def sparse_state(
   density: float | None = None,
   structure: tuple[int, int] | None = None,
   axis: int = -1,
+  block: tuple[int, int] | None = None,
   density_threshold: float = DEFAULT_DENSITY_THRESHOLD,
   offload_after: int = 100,
   where: _scoping.Where = None,
@@ -583,6 +702,15 @@ def sparse_state(
       than ``n`` active entries is a capacity overflow. ``m > 32``: flat storage of
       exact capacity ``size * n / m``.
     axis: the axis of the N:M groups (default: the last, as ``periodic_mask``).
+    block: ``(r, c)`` for tile masks (whole ``r x c`` tiles of the last two axes
+      kept or pruned, as ``periodic_mask(..., block=(r, c))`` makes them), with
+      ``mode="compact"`` and ``density`` (the largest fraction of active tiles per
+      leaf): compact tile storage, ``(ceil(density * tiles), r, c)`` per leaf plus 1
+      bit per tile, that gathers and scatters whole tiles. Every scoped leaf needs
+      >= 2 axes with the last two multiples of ``(r, c)`` (else a ``ValueError`` at
+      ``init``; scope others out with ``where``). A mask that is not made of whole
+      tiles, or has more active tiles than the capacity, is an error (raised as
+      for capacity overflows).
     density_threshold: leaves with capacity above this fraction of their size use
       skip storage (default 0.6).
     offload_after: K >= 1, steps of an all-inactive mask after which a leaf is cold
@@ -614,6 +742,16 @@ def sparse_state(
     >>> state.inner_state.base_state[0].mu["w"].shape
     (4, 2)
 
+    Tile storage keeps ``(capacity, r, c)``: here 2 of the 4 tiles of 2 x 2:
+
+    >>> tx = magma.periodic_mask(
+    ...     magma.sparse_state(
+    ...         optax.adam(1e-3), mode="compact", density=0.5, block=(2, 2)),
+    ...     sparsity=0.5, block=(2, 2), every=100)
+    >>> state = tx.init(params)
+    >>> state.inner_state.base_state[0].mu["w"].shape
+    (2, 2, 2)
+
   References:
     Lee et al., jaxpruner, arXiv 2304.14082 (2023) (dense state for pruned weights,
     which this avoids).
@@ -628,6 +766,14 @@ def sparse_state(
     isinstance(density, int | float) and 0.0 < density <= 1.0
   ):
     raise ValueError(f"density must be a float in (0, 1]; got {density!r}.")
+  if block is not None:
+    block = _topk.validate_block(block)
+    if mode != "compact" or density is None or structure is not None:
+      raise ValueError(
+        f"block={block} (compact tile storage) needs mode='compact' and density="
+        f" (the largest active fraction of tiles per leaf), without structure; got"
+        f" mode={mode!r}, density={density!r}, structure={structure!r}."
+      )
   if mode == "compact" and density is None and structure is None:
     raise ValueError(
       "mode='compact' needs density= (the largest active fraction per leaf, in"
@@ -673,7 +819,15 @@ def sparse_state(
     if plan.layout is None:
       return _Storage(shape, name)
     size = math.prod(shape)
-    if mode == "compact" and size > 0:
+    if mode == "compact" and size > 0 and block is not None:
+      _topk.check_tiles(shape, block, name)
+      storage = _Tiles(shape, name, block, 1, "")
+      tiles = storage.num_tiles
+      cap = _capacity(tiles, density, None)
+      if cap <= density_threshold * tiles:
+        limit = f"ceil(density * tiles) = ceil({density} * {tiles})"
+        return _Tiles(shape, name, block, cap, limit)
+    elif mode == "compact" and size > 0:
       groups = None if structure is None else groups_of(shape)
       cap = _capacity(size, density, structure)
       if cap <= density_threshold * size:
