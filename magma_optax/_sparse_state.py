@@ -322,13 +322,21 @@ def _check_capacity(active: jax.Array, limit: int, describe) -> None:
   message; the step returns nothing, so no overflowing state reaches the caller.
   """
 
-  def fail(a):
-    raise ValueError(describe(int(a)))
+  _raise_if(active > limit, describe, active)
 
-  if _compat.is_tracer(active):
-    jax.lax.cond(active > limit, lambda: jax.debug.callback(fail, active), lambda: None)
-  elif int(active) > limit:
-    fail(active)
+
+def _raise_if(bad: jax.Array, describe, *values: jax.Array) -> None:
+  """Raises ``ValueError(describe(*values))`` if ``bad`` (as :func:`_check_capacity`:
+  before anything is computed with a concrete ``bad``, from a host callback under
+  ``jax.jit``); ``values`` are passed to ``describe`` as Python ints."""
+
+  def fail(*v):
+    raise ValueError(describe(*(int(x) for x in v)))
+
+  if _compat.is_tracer(bad):
+    jax.lax.cond(bad, lambda: jax.debug.callback(fail, *values), lambda: None)
+  elif bool(bad):
+    fail(*values)
 
 
 class _Storage:
@@ -563,25 +571,28 @@ class _Tiles(_Storage):
       " sparsity ramp, the early masks), or use mode='skip'."
     )
 
-  def _not_tiles(self, differ: int) -> str:
+  def _problem(self, differ: int, active: int) -> str:
+    if not differ:
+      return self._overflow(active)
     r, c = self.block
     return (
       f"sparse_state: the parameter mask of leaf {self.name} is not made of whole"
-      f" {r}x{c} tiles (block={self.block}): {differ} entries differ from the first"
+      f" {r}x{c} tiles (block={self.block}): some entries differ from the first"
       f" entry of their tile. Build it with periodic_mask(..., block=({r}, {c})),"
       " give sparse_state the same block, or use mode='skip'."
     )
 
   def prepare(self, mask, bits, grad):
     _reject_explicit(grad, mask, "compact tile storage", "tiles")
-    m4 = mask.reshape(self.view)
-    tiles = m4[:, 0, :, 0]
-    # One pass over the mask: every entry must equal its tile's first entry.
-    differ = jnp.sum(m4 != tiles[:, None, :, None], dtype=jnp.int32)
-    _check_capacity(differ, 0, self._not_tiles)
-    flat = tiles.reshape(-1)
+    m4 = mask.reshape(self.view).astype(jnp.uint8)
+    # One pass over the mask: every entry must equal its tile's first entry. A max
+    # of uint8 xors: on XLA:CPU 2.5x faster than any() of a boolean comparison,
+    # which it materialises before reducing.
+    differ = jnp.max(m4 ^ m4[:, :1, :, :1], initial=0) > 0
+    flat = m4[:, 0, :, 0].reshape(-1) > 0
     idx, n_active = _active_indices(flat, self.capacity)
-    _check_capacity(n_active, self.capacity, self._overflow)
+    # One check (one lax.cond under jit) for both errors.
+    _raise_if(differ | (n_active > self.capacity), self._problem, differ, n_active)
     new_bits = jnp.packbits(flat)
     return idx, new_bits, jnp.any(new_bits != bits)
 
