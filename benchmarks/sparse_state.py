@@ -21,6 +21,19 @@ Prints two tables:
    at every=100 is that cost over 100 mean wrapper steps (the no-refresh
    wrapper's, from the interleaved rounds).
 
+``--tiles`` prints only table 0: every storage at ``--density`` (element, N:M 2:4
+and ``--blocks`` tile masks) against dense ``optax.adam`` on ``--layers`` square
+``--width`` leaves: state bytes, the median (range) over rounds of the per-round
+step-time ratio, the step's temporary bytes (``memory_analysis``), and a model of
+the bytes each step moves per parameter (float32, donated, density d): dense Adam
+28 (read p, g, mu, nu; write p, mu, nu); skip 29 (+ the mask); flat compact
+17 + 24 d (mask, index build, gather of g, moments of the active entries, a zero
+update with the entries scattered into it, ``p + u``); N:M 29; tiles 9 + 24 d (the
+mask, read once for the tile check, g and the moments of the active tiles, the
+compact update, ``p + u`` with the expansion fused); and, outside optax's
+update/apply split, the tile step that scatter-adds into the donated parameters,
+1 + 28 d. The model ratio is the model over 28.
+
 Within a round every configuration is measured once, interleaved (in a seeded
 shuffled order), so the ratios compare runs under the same machine load. Table 1
 shows the best (minimum) time of ``--repeats`` rounds; table 2 the median over rounds
@@ -34,6 +47,8 @@ Usage::
 
     python3 benchmarks/sparse_state.py --width 512 --layers 4 --steps 200 --repeats 3
     python3 benchmarks/sparse_state.py --refresh-only --repeats 11 --donate
+    python3 benchmarks/sparse_state.py --tiles --donate --width 1024 --layers 4 \
+      --steps 50 --repeats 9
 """
 
 from __future__ import annotations

@@ -35,6 +35,19 @@ transform). Per scoped leaf, one of two storages is used:
   element-wise selections within a group: no flat index, no gather, which also
   makes it faster than flat compact storage. A group with more than ``n`` active
   entries is a capacity overflow (the same errors as above).
+* **compact, tiles** (``block=(r, c)`` with ``density``): the same with whole ``r x
+  c`` tiles of the last two axes as the unit (the masks of
+  ``periodic_mask(..., block=(r, c))``): ``ceil(density * tiles)`` tile slots of
+  ``(r, c)`` per leaf plus 1 bit per tile. The active tiles' indices are built from
+  one entry per tile; gathers move whole tiles (``c`` contiguous entries per tile
+  row), so the cost of the base's update follows density. The update is the
+  compact tiles expanded by a per-tile slot map -- a gather that XLA fuses into
+  ``optax.apply_updates``, so no parameter-sized update array is written (a zero
+  array with the tiles scattered into it was slower on XLA:CPU, and is a
+  parameter-sized temporary on every backend). Every step also checks, in one pass
+  over the mask, that it is made of whole tiles: a mask that is not is an error
+  (raised as capacity overflows are), not silently rounded to tiles. Regrown tiles
+  start from zero moments.
 
 Each storage is a small class behind one interface (``_Storage``: ``init_leaf``,
 ``stored_shape``, ``prepare``, ``remap``, ``gather``, ``freeze``, ``scatter``, and
@@ -69,7 +82,11 @@ meshes: no parameter-sized collective, results equal to one device. Unstructured
 compact storage is one flat vector per leaf indexed by global flat indices, so under
 a mesh XLA gathers the leaf's mask and gradient to build it (checked with
 ``AxisType.Auto``); a leaf sharded over ``AxisType.Explicit`` axes is an error that
-says so (the gather has no unambiguous output sharding).
+says so (the gather has no unambiguous output sharding). Compact tile storage is the
+same kind of storage (one vector of tiles per leaf, global tile indices, the same
+error under ``Explicit`` axes): tiles that do not cross shards would allow a
+per-shard capacity, which this storage does not have; under ``AxisType.Auto`` it is
+not checked on a mesh yet.
 """
 
 from __future__ import annotations
