@@ -71,6 +71,11 @@ transferred at all. Placement is static in a compiled function, so the step reco
 when the placement changes -- call the helper every few hundred steps, not every step.
 Where the backend has no host memory kinds (or this JAX lacks ``jax.memory``) the
 helper returns the state unchanged and offload behaves exactly like skip.
+With ``block=(r, c)`` and ``density``, offload mode keeps compact tile storage and
+the same per-leaf counter: inactive tiles hold no moments in compact storage
+(regrown tiles start from zero), so what moves to host memory is the tile buffer of
+a leaf that has had no active tile for ``offload_after`` steps; it is remapped and
+updated on the device when tiles regrow (numerically the same as ``"compact"``).
 
 The base must be element-wise for ``compact`` to equal ``skip`` (a global-norm clip
 sees only the active entries in compact storage and every entry in skip storage).
@@ -639,6 +644,26 @@ class _Tiles(_Storage):
     return jnp.swapaxes(full, 1, 2).reshape(self.shape)
 
 
+class _OffloadTiles(_Tiles):
+  """Compact tile storage whose buffers may live in host memory while the leaf is
+  cold (no active tile for ``offload_after`` steps), as :class:`_Offload`.
+
+  Inactive tiles hold no moments in compact storage (regrown tiles start from
+  zero), so the unit that can go to host memory is a leaf's whole tile buffer."""
+
+  tracks_cold = True
+  load = _Offload.load
+  unload = _Offload.unload
+
+  def remap(self, ctx, x, bits):
+    # Runs before `load` (and only when some stored set changed): a host-resident
+    # buffer is remapped on the device and put back.
+    if not _on_host(x):
+      return super().remap(ctx, x, bits)
+    moved = super().remap(ctx, jax.device_put(x, _SPACE.Device), bits)
+    return jax.device_put(moved, _SPACE.Host)
+
+
 class _Grouped(_Storage):
   """N:M compact storage (:class:`_Groups`): ``n`` slots per group of ``m``."""
 
@@ -732,13 +757,15 @@ def sparse_state(
     axis: the axis of the N:M groups (default: the last, as ``periodic_mask``).
     block: ``(r, c)`` for tile masks (whole ``r x c`` tiles of the last two axes
       kept or pruned, as ``periodic_mask(..., block=(r, c))`` makes them), with
-      ``mode="compact"`` and ``density`` (the largest fraction of active tiles per
-      leaf): compact tile storage, ``(ceil(density * tiles), r, c)`` per leaf plus 1
-      bit per tile, that gathers and scatters whole tiles. Every scoped leaf needs
-      >= 2 axes with the last two multiples of ``(r, c)`` (else a ``ValueError`` at
-      ``init``; scope others out with ``where``). A mask that is not made of whole
-      tiles, or has more active tiles than the capacity, is an error (raised as
-      for capacity overflows).
+      ``mode="compact"`` (or ``"offload"``: the same storage, whose buffers can move
+      to host memory while a leaf has no active tile) and ``density`` (the
+      largest fraction of active tiles per leaf): compact tile storage,
+      ``(ceil(density * tiles), r, c)`` per leaf plus 1 bit per tile, that
+      gathers and scatters whole tiles. Every scoped leaf needs >= 2 axes with
+      the last two multiples of ``(r, c)`` (else a ``ValueError`` at ``init``;
+      scope others out with ``where``). A mask that is not made of whole tiles,
+      or has more active tiles than the capacity, is an error (raised as for
+      capacity overflows).
     density_threshold: leaves with capacity above this fraction of their size use
       skip storage (default 0.6).
     offload_after: K >= 1, steps of an all-inactive mask after which a leaf is cold
@@ -796,10 +823,11 @@ def sparse_state(
     raise ValueError(f"density must be a float in (0, 1]; got {density!r}.")
   if block is not None:
     block = _topk.validate_block(block)
-    if mode != "compact" or density is None or structure is not None:
+    if mode == "skip" or density is None or structure is not None:
       raise ValueError(
-        f"block={block} (compact tile storage) needs mode='compact' and density="
-        f" (the largest active fraction of tiles per leaf), without structure; got"
+        f"block={block} (compact tile storage) needs mode='compact' (or 'offload')"
+        f" and density= (the largest active fraction of tiles per leaf), without"
+        f" structure; got"
         f" mode={mode!r}, density={density!r}, structure={structure!r}."
       )
   if mode == "compact" and density is None and structure is None:
@@ -847,14 +875,14 @@ def sparse_state(
     if plan.layout is None:
       return _Storage(shape, name)
     size = math.prod(shape)
-    if mode == "compact" and size > 0 and block is not None:
+    if size > 0 and block is not None:
       _topk.check_tiles(shape, block, name)
-      storage = _Tiles(shape, name, block, 1, "")
-      tiles = storage.num_tiles
+      tiles = _Tiles(shape, name, block, 1, "").num_tiles
       cap = _capacity(tiles, density, None)
       if cap <= density_threshold * tiles:
         limit = f"ceil(density * tiles) = ceil({density} * {tiles})"
-        return _Tiles(shape, name, block, cap, limit)
+        tile_storage = _OffloadTiles if mode == "offload" else _Tiles
+        return tile_storage(shape, name, block, cap, limit)
     elif mode == "compact" and size > 0:
       groups = None if structure is None else groups_of(shape)
       cap = _capacity(size, density, structure)
@@ -1073,8 +1101,16 @@ def offload_sparse_state(opt_state: Any, params: Any) -> Any:
         return x
       return jax.device_put(x, sharding.with_memory_kind(want))
 
+    # Without shapes: compact tile buffers have their stored shapes; base_state
+    # holds only per-entry state of the stored tree, and a scalar such as a count
+    # is never like a parameter tree that has more than a bare leaf.
     return node._replace(
-      base_state=_trees.map_like(move, node.base_state, params_def, shapes=shapes)
+      base_state=_trees.map_like(
+        move,
+        node.base_state,
+        params_def,
+        shapes=shapes if params_def.num_nodes == 1 else None,
+      )
     )
 
   return jax.tree.map(

@@ -332,8 +332,9 @@ def test_offload_helper_is_noop_without_offload_state():
     (dict(mode="offload", offload_after=0), "offload_after"),
     (dict(density_threshold=1.5), "density_threshold"),
     (dict(mode="compact", density=0.5, block=(0, 4)), "block"),
-    (dict(mode="compact", block=(2, 4)), "needs mode='compact' and density"),
+    (dict(mode="compact", block=(2, 4)), "needs mode='compact'"),
     (dict(mode="skip", block=(2, 4)), "needs mode='compact'"),
+    (dict(mode="offload", block=(2, 4)), "density"),
     (dict(mode="compact", structure=(2, 4), block=(2, 4)), "without structure"),
   ],
 )
@@ -578,3 +579,38 @@ def test_tile_bad_block_raises():
   state = tx.init({"w": jnp.ones((4, 8)), "b": jnp.ones(8)})
   assert state.base_state[0].mu["w"].shape == (2, 2, 4)
   assert state.base_state[0].mu["b"].shape == (8,)
+
+
+@pytest.mark.skipif(
+  not magma.host_offload_available(), reason="no pinned_host memory kind"
+)
+def test_tile_offload_placement_and_reactivation():
+  params = {"a": jnp.ones((4, 8)), "b": jnp.ones((2, 8))}
+  kw = dict(density=0.5, block=(2, 4))
+  tx = magma.sparse_state(optax.adam(LR), mode="offload", offload_after=2, **kw)
+  ref = magma.sparse_state(optax.adam(LR), mode="compact", **kw)
+  state, ref_state = tx.init(params), ref.init(params)
+  assert state.base_state[0].mu["a"].shape == (2, 2, 4)
+  step, ref_step = jax.jit(tx.update), jax.jit(ref.update)
+  on = jnp.zeros((4, 8), bool).at[:2, :4].set(True)  # 1 of 4 tiles
+  kinds = []
+  for t in range(7):
+    mask = {"a": on if t in (0, 5, 6) else jnp.zeros((4, 8), bool),
+            "b": jnp.zeros((2, 8), bool).at[:, :4].set(True)}  # fmt: skip
+    grads = jax.tree.map(lambda x, t=t: jnp.full(x.shape, t + 1.0), params)
+    u, state = step(grads, state, params, param_mask=mask)
+    v, ref_state = ref_step(grads, ref_state, params, param_mask=mask)
+    state = magma.offload_sparse_state(state, params)
+    mu = state.base_state[0].mu
+    kinds.append((mu["a"].sharding.memory_kind, mu["b"].sharding.memory_kind))
+    for k in params:
+      np.testing.assert_allclose(np.asarray(u[k]), np.asarray(v[k]), atol=1e-7)
+      np.testing.assert_allclose(
+        np.asarray(mu[k]), np.asarray(ref_state.base_state[0].mu[k]), atol=1e-7
+      )
+  device = jax.devices()[0].default_memory().kind
+  # "a" has no active tile at steps 1..4: cold after 2, back when active at step 5.
+  assert [k[0] for k in kinds] == [device, device] + ["pinned_host"] * 3 + [device] * 2
+  assert all(k[1] == device for k in kinds)
+  # The regrown tile restarted from zero moments, as in compact storage.
+  assert float(jnp.abs(u["a"][:2, :4]).min()) > 0
