@@ -265,7 +265,7 @@ def direct_tile_step(params, density, block):
     t = mask.reshape(views[k])[:, 0, :, 0].reshape(-1)
     return active_indices(t, caps[k])[0]
 
-  def update(g, s, p, m):
+  def update(p, s, g, m):
     idx = {k: tiles(m[k], k) for k in p}
     cols = {k: views[k][2] for k in p}
     g_t = {
