@@ -21,6 +21,19 @@ Prints two tables:
    at every=100 is that cost over 100 mean wrapper steps (the no-refresh
    wrapper's, from the interleaved rounds).
 
+``--tiles`` prints only table 0: every storage at ``--density`` (element, N:M 2:4
+and ``--blocks`` tile masks) against dense ``optax.adam`` on ``--layers`` square
+``--width`` leaves: state bytes, the median (range) over rounds of the per-round
+step-time ratio, the step's temporary bytes (``memory_analysis``), and a model of
+the bytes each step moves per parameter (float32, donated, density d): dense Adam
+28 (read p, g, mu, nu; write p, mu, nu); skip 29 (+ the mask); flat compact
+17 + 24 d (mask, index build, gather of g, moments of the active entries, a zero
+update with the entries scattered into it, ``p + u``); N:M 29; tiles 9 + 24 d (the
+mask, read once for the tile check, g and the moments of the active tiles, the
+compact update, ``p + u`` with the expansion fused); and, outside optax's
+update/apply split, the tile step that scatter-adds into the donated parameters,
+1 + 28 d. The model ratio is the model over 28.
+
 Within a round every configuration is measured once, interleaved (in a seeded
 shuffled order), so the ratios compare runs under the same machine load. Table 1
 shows the best (minimum) time of ``--repeats`` rounds; table 2 the median over rounds
@@ -34,12 +47,15 @@ Usage::
 
     python3 benchmarks/sparse_state.py --width 512 --layers 4 --steps 200 --repeats 3
     python3 benchmarks/sparse_state.py --refresh-only --repeats 11 --donate
+    python3 benchmarks/sparse_state.py --tiles --donate --width 1024 --layers 4 \
+      --steps 50 --repeats 9
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import math
 import random
 import statistics
 import time
@@ -49,6 +65,7 @@ import jax.numpy as jnp
 import optax
 
 import magma_optax as magma
+from magma_optax._sparse_state import _active_indices as active_indices
 
 
 def make_params(width: int, layers: int) -> dict:
@@ -108,6 +125,7 @@ def timer(tx, params, grads, steps, mask=None, *, donate=False):
 
   state = tx.init(params)
   fresh = lambda: jax.tree.map(jnp.copy, (params, state)) if donate else (params, state)
+  compiled = step.lower(params, state, grads, mask).compile()
   jax.block_until_ready(step(*fresh(), grads, mask))  # compile
 
   def run():
@@ -119,6 +137,7 @@ def timer(tx, params, grads, steps, mask=None, *, donate=False):
     jax.block_until_ready((p, s))
     return (time.perf_counter() - t0) / steps
 
+  run.temp_bytes = compiled.memory_analysis().temp_size_in_bytes
   return run, state
 
 
@@ -215,6 +234,148 @@ def table_sizes(params, grads, adam, n, args):
   )
 
 
+def random_tile_mask(params: dict, density: float, block) -> dict:
+  """Exactly round(density * tiles) active r x c tiles per 2-D leaf, at random;
+  other leaves all active."""
+  r, c = block
+
+  def one(i, x):
+    if x.ndim != 2:
+      return None
+    rows, cols = x.shape[0] // r, x.shape[1] // c
+    order = jax.random.permutation(jax.random.key(300 + i), rows * cols)
+    tiles = jnp.zeros(rows * cols, bool).at[order[: round(density * rows * cols)]]
+    tiles = tiles.set(True).reshape(rows, 1, cols, 1)
+    return jnp.broadcast_to(tiles, (rows, r, cols, c)).reshape(x.shape)
+
+  leaves, treedef = jax.tree.flatten(params)
+  return treedef.unflatten([one(i, x) for i, x in enumerate(leaves)])
+
+
+def direct_tile_step(params, density, block):
+  """Outside optax's contract, for comparison: the tile step that scatter-adds the
+  compact update straight into the (donated) parameters instead of returning an
+  update for ``optax.apply_updates`` (the same gather and Adam on the tiles)."""
+  adam = optax.adam(1e-3)
+  r, c = block
+  views = {k: (x.shape[0] // r, r, x.shape[1] // c, c) for k, x in params.items()}
+  caps = {k: math.ceil(density * v[0] * v[2]) for k, v in views.items()}
+
+  def tiles(mask, k):  # the same index build as the storage's
+    t = mask.reshape(views[k])[:, 0, :, 0].reshape(-1)
+    return active_indices(t, caps[k])[0]
+
+  def update(p, s, g, m):
+    idx = {k: tiles(m[k], k) for k in p}
+    cols = {k: views[k][2] for k in p}
+    g_t = {
+      k: g[k].reshape(views[k]).at[i // cols[k], :, i % cols[k], :].get(mode="fill")
+      for k, i in idx.items()
+    }
+    u, s = adam.update(g_t, s)
+    new_p = {
+      k: p[k]
+      .reshape(views[k])
+      .at[i // cols[k], :, i % cols[k], :]
+      .add(u[k], mode="drop")
+      .reshape(p[k].shape)
+      for k, i in idx.items()
+    }
+    return new_p, s
+
+  init = lambda p: adam.init({k: jnp.zeros((caps[k], r, c)) for k in p})
+  return init, update
+
+
+def direct_timer(params, grads, mask, density, block, steps):
+  init, update = direct_tile_step(params, density, block)
+  step = jax.jit(update, donate_argnums=(0, 1))
+  state = init(params)
+  fresh = lambda: jax.tree.map(jnp.copy, (params, state))
+  compiled = step.lower(params, state, grads, mask).compile()
+  p, s = step(*fresh(), grads, mask)
+  jax.block_until_ready((p, s))
+
+  def run():
+    p, s = fresh()
+    jax.block_until_ready((p, s))
+    t0 = time.perf_counter()
+    for _ in range(steps):
+      p, s = step(p, s, grads, mask)
+    jax.block_until_ready((p, s))
+    return (time.perf_counter() - t0) / steps
+
+  run.temp_bytes = compiled.memory_analysis().temp_size_in_bytes
+  return run
+
+
+def table_tiles(args):
+  """Table 0 (``--tiles``): every storage at one density against dense Adam, with
+  the bytes-per-parameter model of each step (float32, see the module docstring)."""
+  d = args.density
+  params = {
+    f"layer{i}": jax.random.normal(k, (args.width, args.width)) / args.width**0.5
+    for i, k in enumerate(jax.random.split(jax.random.key(0), args.layers))
+  }
+  grads = jax.tree.map(lambda x: jnp.full_like(x, 0.01), params)
+  n = sum(x.size for x in jax.tree.leaves(params))
+  adam = optax.adam(1e-3)
+  masks = {"element": random_mask(params, d), "2:4": random_n_m_mask(params, 2, 4)}
+  # name: (transform, mask, bytes per parameter per step in the model)
+  configs = {
+    "dense optax.adam": (adam, None, 28),
+    f"skip, element mask {d}": (magma.sparse_state(adam), masks["element"], 29),
+    f"compact, element mask {d}": (
+      magma.sparse_state(adam, mode="compact", density=d),
+      masks["element"],
+      17 + 24 * d,
+    ),
+    "compact N:M 2:4": (
+      magma.sparse_state(adam, mode="compact", structure=(2, 4)),
+      masks["2:4"],
+      29,
+    ),
+  }
+  for block in args.blocks:
+    mask = random_tile_mask(params, d, block)
+    masks[block] = mask
+    configs[f"compact tiles {block[0]}x{block[1]} {d}"] = (
+      magma.sparse_state(adam, mode="compact", density=d, block=block),
+      mask,
+      9 + 24 * d,
+    )
+  runners, bytes_, model = {}, {}, {}
+  for name, (tx, mask, bpp) in configs.items():
+    runners[name], st = timer(tx, params, grads, args.steps, mask, donate=args.donate)
+    bytes_[name], model[name] = state_bytes(st), bpp
+  block = args.blocks[0]
+  direct = f"tiles {block[0]}x{block[1]} {d}, scatter-add into params (no optax split)"
+  runners[direct] = direct_timer(params, grads, masks[block], d, block, args.steps)
+  bytes_[direct] = bytes_[f"compact tiles {block[0]}x{block[1]} {d}"]
+  model[direct] = 1 + 28 * d
+  times = interleaved(runners, args.repeats)
+  ref = "dense optax.adam"
+  print(
+    f"\nAll storages at density {d}: {n:,} parameters ({args.layers} x"
+    f" {args.width}x{args.width}), {args.steps} steps x {args.repeats} rounds,"
+    f"{' donated,' if args.donate else ''} dense Adam"
+    f" {statistics.median(times[ref]) * 1e3:.2f} ms per step (median)"
+  )
+  print(
+    "\n| storage | state bytes | step time: median (range) | model B/param |"
+    " model ratio | temp MB |"
+  )
+  print("|---|---|---|---|---|---|")
+  for name in runners:
+    ratios = [x / y for x, y in zip(times[name], times[ref], strict=True)]
+    print(
+      f"| {name} | {bytes_[name] / bytes_[ref]:.3f}"
+      f" | {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+      f" | {model[name]:.1f} | {model[name] / 28:.2f}"
+      f" | {runners[name].temp_bytes / 2**20:.1f} |"
+    )
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--width", type=int, default=512)
@@ -222,6 +383,16 @@ def main():
   ap.add_argument("--steps", type=int, default=200)
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--refresh-only", action="store_true", help="skip table 1")
+  ap.add_argument(
+    "--tiles", action="store_true", help="only the table of all storages at --density"
+  )
+  ap.add_argument("--density", type=float, default=0.3)
+  ap.add_argument(
+    "--blocks",
+    type=lambda v: [tuple(int(x) for x in b.split("x")) for b in v.split(",")],
+    default=[(1, 128), (8, 128)],
+    help="tile shapes for --tiles, e.g. 1x128,8x128",
+  )
   ap.add_argument(
     "--donate", action="store_true", help="donate params and state to each step"
   )
@@ -238,6 +409,9 @@ def main():
   )
 
   adam = optax.adam(1e-3)
+  if args.tiles:
+    table_tiles(args)
+    return
   if not args.refresh_only:
     table_sizes(params, grads, adam, n, args)
 
