@@ -7,6 +7,7 @@ install into a fresh virtual environment without extras, where ``magma_optax``
 imports and takes a step while flax stays absent.
 """
 
+import ast
 import email
 import pathlib
 import re
@@ -91,10 +92,31 @@ def test_runtime_imports_are_the_declared_dependencies():
   for path in (ROOT / "magma_optax").rglob("*.py"):
     if "flax" in path.relative_to(ROOT / "magma_optax").parts or path.stem == "demo":
       continue  # optional parts, behind extras
-    text = path.read_text()
-    imports |= set(re.findall(r"^\s*(?:import|from) ([a-zA-Z_]\w*)", text, re.M))
+    imports |= _top_level_imports(path.read_text())
   third_party = imports - set(sys.stdlib_module_names) - {"magma_optax"}
   assert third_party == RUNTIME_DEPS
+
+
+def _top_level_imports(source: str) -> set[str]:
+  """Top-level module names imported anywhere in ``source`` (parsed, so a docstring
+  line that starts with "from" is not an import)."""
+  names = set()
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, ast.Import):
+      names |= {alias.name.split(".")[0] for alias in node.names}
+    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+      names.add(node.module.split(".")[0])
+  return names
+
+
+def test_import_parser_sees_imports_not_prose():
+  # Positive control for the check above: a real import anywhere is found, and a
+  # docstring line that reads like one is not.
+  source = (
+    '"""Docs.\nfrom the tiles, import nothing\n"""\n'
+    "import flax\ndef f():\n  from orbax.checkpoint import x\n"
+  )
+  assert _top_level_imports(source) == {"flax", "orbax"}
 
 
 def test_wheel_installs_without_extras_and_imports(dist, tmp_path):
