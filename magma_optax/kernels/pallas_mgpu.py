@@ -89,22 +89,12 @@ def _kernel(
     g_s, m_s, v_s = next(it), next(it), next(it)
     mask_s = next(it) if has_mask else None
     p_s = next(it) if has_params else None
-    b1, b2 = constants.b1, constants.b2
     g = g_s[...].astype(jnp.float32)
-    m = m_s[...].astype(jnp.float32)
-    v = v_s[...].astype(jnp.float32)
-    new_m = (1 - b1) * g + b1 * m
-    new_v = (1 - b2) * (g * g) + b2 * v
-    if has_mask:
-      keep = mask_s[...].astype(jnp.int32) != 0
-      new_m = jnp.where(keep, new_m, m)
-      new_v = jnp.where(keep, new_v, v)
-    mu_hat = new_m / hyper_s[reference.BIAS_CORRECTION1]
-    nu_hat = new_v / hyper_s[reference.BIAS_CORRECTION2]
-    u = mu_hat / (jnp.sqrt(nu_hat + constants.eps_root) + constants.eps)
-    if has_params:
-      u = u + hyper_s[reference.WEIGHT_DECAY] * p_s[...].astype(jnp.float32)
-    u = u * -hyper_s[reference.LEARNING_RATE]
+    keep = mask_s[...].astype(jnp.int32) != 0 if has_mask else None
+    p = p_s[...] if has_params else None
+    new_m, new_v, u = reference.tile_adam(
+      g, m_s[...], v_s[...], keep, p, hyper_s, constants
+    )
     u = u * scale_s[...][:, None]
     out_m = new_m.astype(m_s.dtype)
     sm = out_m.astype(jnp.float32)  # the sums see the stored moment

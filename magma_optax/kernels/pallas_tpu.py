@@ -162,22 +162,12 @@ def _kernel(hyper_ref, scale_ref, *refs, constants, has_mask, has_params):
     for ref in (dot_out, msq_out, gsq_out):
       ref[...] = jnp.zeros(ref.shape, jnp.float32)
 
-  b1, b2 = constants.b1, constants.b2
   g = g_ref[...].astype(jnp.float32)
-  m = m_ref[...].astype(jnp.float32)
-  v = v_ref[...].astype(jnp.float32)
-  new_m = (1 - b1) * g + b1 * m
-  new_v = (1 - b2) * (g * g) + b2 * v
-  if has_mask:
-    keep = mask_ref[...].astype(jnp.int32) != 0
-    new_m = jnp.where(keep, new_m, m)
-    new_v = jnp.where(keep, new_v, v)
-  mu_hat = new_m / hyper_ref[reference.BIAS_CORRECTION1]
-  nu_hat = new_v / hyper_ref[reference.BIAS_CORRECTION2]
-  u = mu_hat / (jnp.sqrt(nu_hat + constants.eps_root) + constants.eps)
-  if has_params:
-    u = u + hyper_ref[reference.WEIGHT_DECAY] * p_ref[...].astype(jnp.float32)
-  u = u * -hyper_ref[reference.LEARNING_RATE]
+  keep = mask_ref[...].astype(jnp.int32) != 0 if has_mask else None
+  p = p_ref[...] if has_params else None
+  new_m, new_v, u = reference.tile_adam(
+    g, m_ref[...], v_ref[...], keep, p, hyper_ref, constants
+  )
   u = u * scale_ref[...]  # (rows, 1) or (1, 1, 1): broadcast over the tile
   out_m = new_m.astype(m_out.dtype)
   # The sums see the stored moment, as a cosine computed after the step would.

@@ -116,6 +116,28 @@ def moments(
   return new_m, new_v
 
 
+def tile_adam(g, m, v, keep, p, hyper, constants: AdamConstants):
+  """Adam on one kernel tile, shared by every Pallas kernel: ``(m', v', u)``.
+
+  ``g``, ``m``, ``v`` (and ``p``, or ``None``) are the tile's loaded values; ``keep``
+  the existing entries (bool, or ``None``: all); ``hyper`` anything indexable by the
+  ``LEARNING_RATE`` ... constants (a SMEM or GMEM ref, or an array). ``u`` is the
+  unscaled update ``-lr (m_hat / (sqrt(v_hat + eps_root) + eps) + wd p)`` in f32.
+  """
+  g, m, v = (x.astype(jnp.float32) for x in (g, m, v))
+  new_m = (1 - constants.b1) * g + constants.b1 * m
+  new_v = (1 - constants.b2) * (g * g) + constants.b2 * v
+  if keep is not None:
+    new_m = jnp.where(keep, new_m, m)
+    new_v = jnp.where(keep, new_v, v)
+  mu_hat = new_m / hyper[BIAS_CORRECTION1]
+  nu_hat = new_v / hyper[BIAS_CORRECTION2]
+  u = mu_hat / (jnp.sqrt(nu_hat + constants.eps_root) + constants.eps)
+  if p is not None:
+    u = u + hyper[WEIGHT_DECAY] * p.astype(jnp.float32)
+  return new_m, new_v, u * -hyper[LEARNING_RATE]
+
+
 def partial_sums(
   layout: _blocks.BlockLayout,
   mu: jax.Array,
