@@ -30,7 +30,9 @@ the bytes each step moves per parameter (float32, donated, density d): dense Ada
 17 + 24 d (mask, index build, gather of g, moments of the active entries, a zero
 update with the entries scattered into it, ``p + u``); N:M 29; tiles 9 + 24 d (the
 mask, read once for the tile check, g and the moments of the active tiles, the
-compact update, ``p + u`` with the expansion fused); and, outside optax's
+compact update, ``p + u`` with the expansion fused; ``sparse_adam``, the same
+storage with its Adam step fused over the active tiles, the same model); and,
+outside optax's
 update/apply split, the tile step that scatter-adds into the donated parameters,
 1 + 28 d. The model ratio is the model over 28.
 
@@ -325,6 +327,11 @@ def table_tiles(args):
   configs = {
     "dense optax.adam": (adam, None, 28),
     f"skip, element mask {d}": (magma.sparse_state(adam), masks["element"], 29),
+    f"sparse_adam skip, element mask {d}": (
+      magma.sparse_adam(1e-3),
+      masks["element"],
+      29,
+    ),
     f"compact, element mask {d}": (
       magma.sparse_state(adam, mode="compact", density=d),
       masks["element"],
@@ -341,6 +348,11 @@ def table_tiles(args):
     masks[block] = mask
     configs[f"compact tiles {block[0]}x{block[1]} {d}"] = (
       magma.sparse_state(adam, mode="compact", density=d, block=block),
+      mask,
+      9 + 24 * d,
+    )
+    configs[f"sparse_adam tiles {block[0]}x{block[1]} {d} (xla)"] = (
+      magma.sparse_adam(1e-3, mode="compact", density=d, block=block),
       mask,
       9 + 24 * d,
     )

@@ -26,6 +26,7 @@ from magma_optax._scope_report import scope_report
 from magma_optax._sparse_state import SparseState
 from magma_optax._sparse_state import host_offload_available
 from magma_optax._sparse_state import offload_sparse_state
+from magma_optax._sparse_state import sparse_adam
 from magma_optax._sparse_state import sparse_state
 from magma_optax._sparsity import linear_sparsity_schedule
 from magma_optax._sparsity import polynomial_sparsity_schedule
@@ -64,6 +65,7 @@ __all__ = (
   "scope_report",
   "sharding",
   "skip_update",
+  "sparse_adam",
   "sparse_state",
   "transformer_labels",
 )

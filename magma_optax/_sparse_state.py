@@ -97,6 +97,7 @@ not checked on a mesh yet.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
 
@@ -108,6 +109,9 @@ from magma_optax import _compat
 from magma_optax import _scoping
 from magma_optax import _topk
 from magma_optax import _trees
+from magma_optax.kernels import api
+from magma_optax.kernels import reference
+from magma_optax.kernels import tiles
 
 MODES = ("skip", "compact", "offload")
 DEFAULT_DENSITY_THRESHOLD = 0.6
@@ -594,10 +598,8 @@ class _Tiles(_Storage):
 
   def __init__(self, shape, name, block: tuple[int, int], capacity: int, limit):
     super().__init__(shape, name)
-    r, c = block
-    *lead, rows, cols = self.shape
     self.block = block
-    self.view = (math.prod(lead) * (rows // r), r, cols // c, c)
+    self.view = tiles.tile_view(self.shape, block)
     self.num_tiles = self.view[0] * self.view[2]
     self.capacity = capacity
     self.limit = limit  # how the capacity was set, for the overflow message
@@ -654,12 +656,7 @@ class _Tiles(_Storage):
     return _moved(ctx, x, old_idx, self.num_tiles)
 
   def gather(self, ctx, x):
-    cols = self.view[2]
-    return (
-      x.reshape(self.view)
-      .at[ctx // cols, :, ctx % cols, :]
-      .get(mode="fill", fill_value=0, indices_are_sorted=True)
-    )
+    return tiles.gather_tiles(x.reshape(self.view), ctx)
 
   def stored_mask(self, ctx, mask):
     del mask
@@ -841,6 +838,190 @@ def sparse_state(
     Lee et al., jaxpruner, arXiv 2304.14082 (2023) (dense state for pruned weights,
     which this avoids).
   """
+  storages_of = _planner(
+    mode=mode,
+    density=density,
+    structure=structure,
+    axis=axis,
+    block=block,
+    density_threshold=density_threshold,
+    offload_after=offload_after,
+    where=where,
+  )
+  return _transformation(base, storages_of, offload_after, _base_step(base))
+
+
+def sparse_adam(
+  learning_rate: optax.ScalarOrSchedule,
+  b1: float = 0.9,
+  b2: float = 0.999,
+  eps: float = 1e-8,
+  eps_root: float = 0.0,
+  *,
+  mode: str = "skip",
+  density: float | None = None,
+  structure: tuple[int, int] | None = None,
+  axis: int = -1,
+  block: tuple[int, int] | None = None,
+  density_threshold: float = DEFAULT_DENSITY_THRESHOLD,
+  offload_after: int = 100,
+  where: _scoping.Where = None,
+  implementation: str | Sequence[str] | None = None,
+  interpret: bool | str = False,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Adam with sparse state, its step fused per storage.
+
+  The same transformation as ``sparse_state(optax.adam(learning_rate, b1, b2, eps,
+  eps_root=eps_root), mode=mode, ...)`` with the same storage arguments -- the same
+  state (a checkpoint of one restores into the other), masks, errors and updates
+  -- whose Adam step is written for each storage instead of running ``optax.adam``
+  on the stored tree:
+
+  * **tiles** (``block=(r, c)``): one step per leaf reads the gradient's active
+    tiles and updates their compact moments in one pass
+    (:func:`magma_optax.kernels.tiles.tile_adam`); with
+    ``implementation="pallas"`` a kernel whose grid runs over the active tiles'
+    slots only, so its cost follows ``density``;
+  * **skip** (dense storage, element masks): the frozen moments are merged first,
+    ``m <- where(M, m', m)``, and the update is computed from the merged moments
+    (equal where ``M`` holds, masked to 0 elsewhere). Through a generic base the
+    update needs the old moments *and* the new ones, so XLA keeps a copy of the
+    moments; from the merged ones it updates them in place (see
+    ``benchmarks/RESULTS.md`` for the measured difference);
+  * other storages (flat and N:M compact, dense leaves): Adam's element-wise step
+    on the stored entries, in XLA.
+
+  Everything is computed in float32 (``optax.adam`` on bfloat16 moments computes
+  in bfloat16): on float32 parameters the moments equal those of
+  ``sparse_state(optax.adam(...))`` and the updates agree to float32 rounding.
+
+  Args:
+    learning_rate: a float or an ``optax`` schedule, as in ``optax.adam``.
+    b1, b2, eps, eps_root: Adam's constants (static floats: with
+      ``optax.inject_hyperparams``, pass
+      ``static_args=magma.sparse_adam.static_args`` -- these and the storage's
+      numbers -- to inject the learning rate).
+    mode, density, structure, axis, block, density_threshold, offload_after,
+      where: the storage, as in :func:`sparse_state`.
+    implementation: for tile storage, ``"xla"`` (the default), ``"pallas"``, or a
+      sequence to try in order (see :func:`magma_optax.kernels.masked_adam`). An
+      explicit request that cannot run here raises ``ValueError`` saying why
+      (here, or at the first step for a dtype the kernel cannot tile).
+    interpret: ``False``, or a Pallas interpreter (``True``, ``"tpu"``,
+      ``"gpu"``) for tests on CPU.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` with a :class:`SparseState`.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import magma_optax as magma
+    >>> tx = magma.periodic_mask(
+    ...     magma.sparse_adam(1e-3, mode="compact", density=0.5, block=(2, 2)),
+    ...     sparsity=0.5, block=(2, 2), every=100)
+    >>> params = {"w": jnp.arange(16.0).reshape(4, 4)}
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({"w": jnp.ones((4, 4))}, state, params)
+    >>> state.inner_state.base_state[0].mu["w"].shape
+    (2, 2, 2)
+  """
+  constants = []
+  for name, value in (("b1", b1), ("b2", b2), ("eps", eps), ("eps_root", eps_root)):
+    if isinstance(value, bool) or not isinstance(value, int | float):
+      raise ValueError(
+        f"sparse_adam: {name} must be a Python float (static: it is compiled into"
+        f" the step); got {value!r}. With optax.inject_hyperparams, pass"
+        f" static_args=('b1', 'b2', 'eps', 'eps_root')."
+      )
+    constants.append(float(value))
+  constants = reference.AdamConstants(*constants)
+  interpret = api.check_interpret(interpret)
+  if block is None and implementation not in (None, "xla"):
+    raise ValueError(
+      f"implementation={implementation!r} chooses the kernel of tile storage"
+      " (block=(r, c)); the other storages run in XLA."
+    )
+  storages_of = _planner(
+    mode=mode,
+    density=density,
+    structure=structure,
+    axis=axis,
+    block=block,
+    density_threshold=density_threshold,
+    offload_after=offload_after,
+    where=where,
+  )
+  # Fails fast (here, for float32 tiles) where the request cannot run at all; the
+  # step checks again with the leaves' dtypes.
+  tiles.resolve_implementation(
+    implementation,
+    block=block or (8, 128),
+    dtypes=(jnp.float32,),
+    interpret=interpret,
+  )
+  base = optax.adam(learning_rate, *constants[:3], eps_root=constants.eps_root)
+
+  def step(storages, ctx, treedef, flat_g, flat_p, state, stored_masks, extra_args):
+    del flat_p, extra_args
+    adam, lr_state = state
+    count = optax.safe_increment(adam.count)
+    if callable(learning_rate):
+      lr = learning_rate(lr_state.count)
+      lr_state = lr_state._replace(count=optax.safe_increment(lr_state.count))
+    else:
+      lr = learning_rate
+    hyper = reference.hyperparams(count, lr, 0.0, constants)
+    mus = treedef.flatten_up_to(adam.mu)
+    nus = treedef.flatten_up_to(adam.nu)
+    new_mu, new_nu, updates = [], [], []
+    leaves = zip(storages, ctx, stored_masks, flat_g, mus, nus, strict=True)
+    for s, c, mask, g, m, v in leaves:
+      if isinstance(s, _Tiles):
+        out = tiles.tile_adam(
+          g, m, v, c, count=count, learning_rate=lr, b1=constants.b1,
+          b2=constants.b2, eps=constants.eps, eps_root=constants.eps_root,
+          implementation=implementation, interpret=interpret,
+        )  # fmt: skip
+      else:
+        g = s.gather(c, g)
+        m32, v32 = reference.moments(g, m, v, constants)
+        if isinstance(s, _Skip) and not _trees.is_masked(mask):
+          # Merged first, and the update computed from the merged moments as
+          # stored (the barrier): XLA then writes them in place and the update's
+          # loop reads them, instead of recomputing them from the old moments
+          # (which it would have to copy, since they are overwritten).
+          m32 = jnp.where(mask, m32, m.astype(jnp.float32)).astype(m.dtype)
+          v32 = jnp.where(mask, v32, v.astype(jnp.float32)).astype(v.dtype)
+          m32, v32 = jax.lax.optimization_barrier((m32, v32))
+        u = reference.update(
+          m32.astype(jnp.float32), v32.astype(jnp.float32), hyper, constants,
+          layout=None, dtype=g.dtype,
+        )  # fmt: skip
+        out = tiles.TileAdamOutput(m32.astype(m.dtype), v32.astype(v.dtype), u)
+      new_mu.append(out.mu)
+      new_nu.append(out.nu)
+      updates.append(out.update)
+    adam = adam._replace(
+      count=count, mu=treedef.unflatten(new_mu), nu=treedef.unflatten(new_nu)
+    )
+    return updates, (adam, lr_state)
+
+  # The step returns frozen moments already (merged, or compact).
+  return _transformation(base, storages_of, offload_after, step, frozen=True)
+
+
+# What optax.inject_hyperparams must leave static (numbers that shape the step).
+sparse_adam.static_args = (
+  "b1", "b2", "eps", "eps_root", "density", "density_threshold", "offload_after",
+  "axis",
+)  # fmt: skip
+
+
+def _planner(
+  *, mode, density, structure, axis, block, density_threshold, offload_after, where
+):
+  """Checks the storage arguments of :func:`sparse_state` (and :func:`sparse_adam`)
+  and returns ``storages_of(tree) -> (storages, treedef)``: one storage per leaf."""
   if mode not in MODES:
     raise ValueError(f"mode must be one of {MODES}; got {mode!r}.")
   if structure is not None:
@@ -885,7 +1066,6 @@ def sparse_state(
       f"axis must be an int; got {axis!r}. (With optax.inject_hyperparams, pass"
       " static_args=('axis', 'offload_after').)"
     )
-  base = optax.with_extra_args_support(base)
   # Chosen once: the storage of a scoped leaf that is not compact.
   dense_storage = _Offload if mode == "offload" else _Skip
 
@@ -936,6 +1116,41 @@ def sparse_state(
       for plan, path, x in zip(plans, paths, leaves, strict=True)
     ]
     return storages, treedef
+
+  return storages_of
+
+
+def _base_step(base):
+  """The step of :func:`sparse_state`: ``base`` on the gathered (stored) tree.
+
+  A step is ``step(storages, ctx, treedef, flat_g, flat_p, state, stored_masks,
+  extra_args) -> (flat stored updates, new state)``; it runs between ``load`` and
+  ``freeze`` (see :class:`_Storage`).
+  """
+  base = optax.with_extra_args_support(base)
+
+  def step(storages, ctx, treedef, flat_g, flat_p, state, stored_masks, extra_args):
+    def gathered(flat):
+      return treedef.unflatten(
+        [s.gather(c, x) for s, c, x in zip(storages, ctx, flat, strict=True)]
+      )
+
+    updates, new_state = base.update(
+      gathered(flat_g),
+      state,
+      None if flat_p is None else gathered(flat_p),
+      param_mask=treedef.unflatten(stored_masks),
+      **extra_args,
+    )
+    return treedef.flatten_up_to(updates), new_state
+
+  return step
+
+
+def _transformation(base, storages_of, offload_after, step, frozen=False):
+  """The transformation over ``base``'s state at the storages' shapes; ``step``
+  computes the stored updates and the new base state (:func:`_base_step`), with
+  the frozen entries already kept if ``frozen``."""
 
   def init_fn(params):
     storages, treedef = storages_of(params)
@@ -1015,26 +1230,18 @@ def sparse_state(
       )
     old_state = per_entry(lambda i, x: storages[i].load(x, active[i]), base_state)
 
-    def gathered(flat):
-      return treedef.unflatten(
-        [s.gather(c, x) for s, c, x in zip(storages, ctx, flat, strict=True)]
-      )
-
     stored_masks = [
       s.stored_mask(c, m) for s, c, m in zip(storages, ctx, masks, strict=True)
     ]
-    base_updates, new_state = base.update(
-      gathered(flat_g),
-      old_state,
-      None if flat_p is None else gathered(flat_p),
-      param_mask=treedef.unflatten(stored_masks),
-      **extra_args,
+    base_updates, new_state = step(
+      storages, ctx, treedef, flat_g, flat_p, old_state, stored_masks, extra_args
     )
-    new_state = per_entry(
-      lambda i, new, old: storages[i].freeze(ctx[i], masks[i], new, old),
-      new_state,
-      old_state,
-    )
+    if not frozen:
+      new_state = per_entry(
+        lambda i, new, old: storages[i].freeze(ctx[i], masks[i], new, old),
+        new_state,
+        old_state,
+      )
     new_state = per_entry(
       lambda i, new, orig: storages[i].unload(new, orig, active[i]),
       new_state,
@@ -1042,9 +1249,7 @@ def sparse_state(
     )
     out = [
       s.scatter(c, m, u)
-      for s, c, m, u in zip(
-        storages, ctx, masks, treedef.flatten_up_to(base_updates), strict=True
-      )
+      for s, c, m, u in zip(storages, ctx, masks, base_updates, strict=True)
     ]
 
     steps = treedef.flatten_up_to(state.inactive_steps)

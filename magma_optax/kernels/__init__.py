@@ -3,7 +3,9 @@
 Layout as in levanter's kernels: :mod:`api` is the entry point
 (:func:`masked_adam`, with ``implementation=``), :mod:`reference` the plain-jnp
 version (the XLA path), :mod:`pallas_gpu` the Pallas kernel, :mod:`partitioned` the
-kernel on sharded leaves (one call per shard), :mod:`config` the block sizes.
+kernel on sharded leaves (one call per shard), :mod:`config` the block sizes;
+:mod:`tiles` (:func:`tile_adam`) the Adam step over compact tile storage that
+visits only the active tiles (:mod:`pallas_tiles` its kernel).
 Importing this package does not need a GPU.
 """
 
@@ -16,6 +18,8 @@ from magma_optax.kernels.config import BlockSizes
 from magma_optax.kernels.reference import AdamConstants
 from magma_optax.kernels.reference import MaskedAdamOutput
 from magma_optax.kernels.reference import masked_adam_reference
+from magma_optax.kernels.tiles import TileAdamOutput
+from magma_optax.kernels.tiles import tile_adam
 
 __all__ = (
   "DEFAULT_IMPLEMENTATIONS",
@@ -23,8 +27,10 @@ __all__ = (
   "AdamConstants",
   "BlockSizes",
   "MaskedAdamOutput",
+  "TileAdamOutput",
   "derived_sums",
   "masked_adam",
   "masked_adam_reference",
   "resolve_implementation",
+  "tile_adam",
 )

@@ -133,6 +133,26 @@ def pallas_backend(interpret: bool | str = False) -> str:
   return "triton"
 
 
+def device_reason(interpret: bool | str = False) -> str | None:
+  """``None`` if a Pallas kernel can run here (a GPU, a TPU, or an interpreter)."""
+  if interpret or jax.default_backend() in ("gpu", "tpu"):
+    return None
+  return (
+    f"Pallas kernels need a GPU or a TPU, and the default backend is"
+    f" {jax.default_backend()!r}; pass interpret=True, 'tpu' or 'gpu' to run a"
+    " kernel in an interpreter (slow; for tests) or use implementation='xla'"
+  )
+
+
+def check_implementation(implementation: str) -> None:
+  """Raises ``ValueError`` unless ``implementation`` is one of the names."""
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(
+      f"implementation must be one of {IMPLEMENTATIONS}, a sequence of them, or"
+      f" None; got {implementation!r}."
+    )
+
+
 def why_unavailable(
   implementation: str,
   *,
@@ -140,28 +160,40 @@ def why_unavailable(
   interpret: bool | str = False,
 ) -> str | None:
   """``None`` if ``implementation`` can run here, else the reason it cannot."""
+  check_implementation(implementation)
   if implementation == "xla":
     return None
-  if implementation != "pallas":
-    raise ValueError(
-      f"implementation must be one of {IMPLEMENTATIONS}, a sequence of them, or"
-      f" None; got {implementation!r}."
-    )
   if not pallas_gpu.is_contiguous(layout):
     return (
       "the Pallas kernel needs contiguous mask blocks (granularity 'tensor', 'row'"
       f" or 'element'), but this leaf's blocks reduce axes {layout.reduce_axes}"
       f" of {layout.expanded_shape}"
     )
-  if interpret:
-    return None
-  backend = jax.default_backend()
-  if backend in ("gpu", "tpu"):
-    return None
-  return (
-    f"Pallas kernels need a GPU or a TPU, and the default backend is {backend!r};"
-    " pass interpret=True, 'tpu' or 'gpu' to run a kernel in an interpreter (slow;"
-    " for tests) or use implementation='xla'"
+  return device_reason(interpret)
+
+
+def first_available(
+  implementation: str | Sequence[str] | None,
+  why: Callable[[str], str | None],
+) -> str:
+  """The first of ``implementation`` (``None``: the defaults) for which ``why``
+  gives no reason; else ``ValueError`` with every reason."""
+  if implementation is None:
+    order = DEFAULT_IMPLEMENTATIONS
+  elif isinstance(implementation, str):
+    order = (implementation,)
+  else:
+    order = tuple(implementation)
+    if not order:
+      raise ValueError("implementation must not be an empty sequence.")
+  reasons = []
+  for impl in order:
+    reason = why(impl)
+    if reason is None:
+      return impl
+    reasons.append(f"{impl!r}: {reason}")
+  raise ValueError(
+    f"implementation={implementation!r} cannot run here: " + "; ".join(reasons) + "."
   )
 
 
@@ -179,22 +211,9 @@ def resolve_implementation(
       valid here (:func:`check_interpret`).
   """
   interpret = check_interpret(interpret)
-  if implementation is None:
-    order = DEFAULT_IMPLEMENTATIONS
-  elif isinstance(implementation, str):
-    order = (implementation,)
-  else:
-    order = tuple(implementation)
-    if not order:
-      raise ValueError("implementation must not be an empty sequence.")
-  reasons = []
-  for impl in order:
-    why = why_unavailable(impl, layout=layout, interpret=interpret)
-    if why is None:
-      return impl
-    reasons.append(f"{impl!r}: {why}")
-  raise ValueError(
-    f"implementation={implementation!r} cannot run here: " + "; ".join(reasons) + "."
+  return first_available(
+    implementation,
+    lambda impl: why_unavailable(impl, layout=layout, interpret=interpret),
   )
 
 
