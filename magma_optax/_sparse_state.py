@@ -55,6 +55,13 @@ Each storage is a small class behind one interface (``_Storage``: ``init_leaf``,
 runs the same sequence of calls for every leaf. The base state's per-entry subtrees
 are found with :func:`magma_optax._trees.map_like` (at the stored shapes).
 
+**sparse_adam.** :func:`sparse_adam` is ``sparse_state(optax.adam(...))`` with the
+same storages and state whose Adam step is written per storage: over the active
+tiles (:func:`magma_optax.kernels.tiles.tile_adam`, with a Pallas kernel behind
+``implementation=``), and for skip storage from the merged moments, which lets XLA
+update them in place (through a generic base it keeps a copy of the old moments:
+the update needs both).
+
 **Auto-dense.** Compact storage costs the active entries plus bookkeeping and a gather
 / scatter per step; above a density of ``density_threshold`` (default 0.6, a rule
 of thumb) it saves little memory and costs time, so such leaves use skip storage
@@ -901,8 +908,9 @@ def sparse_adam(
       ``optax.inject_hyperparams``, pass
       ``static_args=magma.sparse_adam.static_args`` -- these and the storage's
       numbers -- to inject the learning rate).
-    mode, density, structure, axis, block, density_threshold, offload_after,
-      where: the storage, as in :func:`sparse_state`.
+    mode: ``"skip"``, ``"compact"`` or ``"offload"``, as in :func:`sparse_state`.
+    density, structure, axis, block: the storage, as in :func:`sparse_state`.
+    density_threshold, offload_after, where: as in :func:`sparse_state`.
     implementation: for tile storage, ``"xla"`` (the default), ``"pallas"``, or a
       sequence to try in order (see :func:`magma_optax.kernels.masked_adam`). An
       explicit request that cannot run here raises ``ValueError`` saying why
