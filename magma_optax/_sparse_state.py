@@ -113,6 +113,7 @@ import jax.numpy as jnp
 import optax
 
 from magma_optax import _compat
+from magma_optax import _engine
 from magma_optax import _scoping
 from magma_optax import _topk
 from magma_optax import _trees
@@ -845,16 +846,7 @@ def sparse_state(
     Lee et al., jaxpruner, arXiv 2304.14082 (2023) (dense state for pruned weights,
     which this avoids).
   """
-  storages_of = _planner(
-    mode=mode,
-    density=density,
-    structure=structure,
-    axis=axis,
-    block=block,
-    density_threshold=density_threshold,
-    offload_after=offload_after,
-    where=where,
-  )
+  storages_of = _engine.from_arguments(_planner, locals())
   return _transformation(base, storages_of, offload_after, _base_step(base))
 
 
@@ -949,16 +941,7 @@ def sparse_adam(
       f"implementation={implementation!r} chooses the kernel of tile storage"
       " (block=(r, c)); the other storages run in XLA."
     )
-  storages_of = _planner(
-    mode=mode,
-    density=density,
-    structure=structure,
-    axis=axis,
-    block=block,
-    density_threshold=density_threshold,
-    offload_after=offload_after,
-    where=where,
-  )
+  storages_of = _engine.from_arguments(_planner, locals())
   # Fails fast (here, for float32 tiles) where the request cannot run at all; the
   # step checks again with the leaves' dtypes.
   tiles.resolve_implementation(
