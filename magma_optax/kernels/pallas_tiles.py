@@ -41,7 +41,18 @@ Per backend (:func:`why_unavailable` gives the constraints as a sentence):
   array, loads the ``(r, c)`` tile with dynamic offsets (``pl.ds``) from the 2-D
   view ``(rows * r, cols * c)`` of ``g``, and zeroes it for an empty slot. Triton's
   blocks need powers of two: ``r`` and ``c`` must be powers of two.
-* ``"mosaic_gpu"``: not written yet (the Triton kernel serves GPUs).
+* ``"mosaic_gpu"`` (Hopper, jax >= 0.12): a program takes a group of 4 slots,
+  copies their 4 indices (one 16-byte TMA copy) to SMEM, and per slot copies with
+  TMA the tile of ``g`` at that index (a 2-D box of the view ``(rows * r, cols *
+  c)``), m and v to SMEM, updates them in registers over the SMEM copies, and copies
+  m', v' and the update back (m, v aliased to m', v'). The indices are padded to
+  whole groups (K int32s; the state is not copied); slots past K are skipped. TMA
+  boxes: ``r, c <= 256``, rows of ``c`` entries a multiple of 16 bytes, and a tile of
+  g, m and v within 96 KiB of shared memory. Simplest correct form, as
+  :mod:`pallas_mgpu`: no pipelining across slots; in the interpreter one program
+  takes all groups (jax 0.12.0's GPU interpreter keeps program 0's writes only). It
+  has run in ``plgpu.InterpretGPUParams()`` only; ``benchmarks/gpu_check.py``
+  compiles it on a Hopper GPU.
 
 Example:
 
@@ -76,6 +87,9 @@ from magma_optax.kernels import reference
 
 LANES = 128
 TPU_STEP_ENTRIES = 1 << 16  # entries per Mosaic TPU grid step (all its slots)
+TMA_BOX = 256  # the largest TMA box dimension
+MGPU_SMEM_BYTES = 96 * 1024  # SMEM for one tile of g, m, v (of 227 KiB on Hopper)
+MGPU_SLOTS = 4  # slots per group: their 4 int32 indices are one 16-byte TMA copy
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -112,7 +126,25 @@ def why_unavailable(block: tuple[int, int], dtypes: Any, backend: str) -> str | 
       )
     return None
   if backend == "mosaic_gpu":
-    return "the Mosaic GPU tile kernel is not written yet; use the Triton kernel."
+    if not _compat.has_mosaic_gpu():
+      return (
+        f"the Mosaic GPU tile kernel needs jax >= 0.12 (jax {jax.__version__} is"
+        " installed); use the Triton kernel."
+      )
+    widths = [c * jnp.dtype(d).itemsize for d in dtypes]
+    smem = sum(r * w for w in widths)
+    if not (1 <= r <= TMA_BOX and 1 <= c <= TMA_BOX) or any(w % 16 for w in widths):
+      return (
+        f"the Mosaic GPU tile kernel copies tiles with TMA: r and c at most"
+        f" {TMA_BOX}, and rows of c entries a multiple of 16 bytes; got block"
+        f" {block}."
+      )
+    if smem > MGPU_SMEM_BYTES:
+      return (
+        f"the Mosaic GPU tile kernel keeps a tile of g, m and v in shared memory:"
+        f" at most {MGPU_SMEM_BYTES} bytes; block {block} needs {smem}."
+      )
+    return None
   return f"backend must be 'triton', 'mosaic_tpu' or 'mosaic_gpu'; got {backend!r}."
 
 
@@ -164,7 +196,7 @@ def tile_adam_pallas(
       jnp.zeros(shape, nu.dtype),
       jnp.zeros(shape, g4.dtype),
     )
-  kernel = _tpu if backend == "mosaic_tpu" else _triton
+  kernel = {"mosaic_tpu": _tpu, "triton": _triton, "mosaic_gpu": _mgpu}[backend]
   return kernel(
     g4,
     mu,
@@ -316,3 +348,95 @@ def _tpu(g4, mu, nu, tile_index, hyper, constants, interpret):
     interpret=pltpu.InterpretParams() if interpret else False,
     name="tile_adam_tpu",
   )(tile_index, hyper, g4.reshape(rows, r, cols * c), mu, nu)
+
+
+def _mgpu_kernel(
+  idx_g, hyper_g, g_g, m_g, v_g, m_out, v_out, u_out, *, constants, shape,
+  num_programs,
+):  # fmt: skip
+  """Program p takes the groups of slots p, p + P, ...: per group the 4 indices
+  are copied to SMEM, then per slot its tile of g (by index), m and v are copied
+  in, updated and copied out."""
+  pl = _compat.pallas()
+  plgpu = _compat.pallas_mosaic_gpu()
+  k, r, c, cols, num_tiles, num_groups = shape
+
+  def scoped(idx_s, hyper_s, g_s, m_s, v_s, barriers):
+    plgpu.copy_gmem_to_smem(hyper_g, hyper_s, barriers.at[0])
+    plgpu.barrier_wait(barriers.at[0])
+
+    def one_slot(j, t):
+      tc = jnp.minimum(t, num_tiles - 1)  # an empty slot reads the last tile, then 0
+      tile = g_g.at[pl.ds((tc // cols) * r, r), pl.ds((tc % cols) * c, c)]
+      copies = [(tile, g_s), (m_g.at[j], m_s), (v_g.at[j], v_s)]
+      for b, (src, dst) in enumerate(copies, start=2):
+        plgpu.copy_gmem_to_smem(src, dst, barriers.at[b])
+      for b in range(2, 2 + len(copies)):
+        plgpu.barrier_wait(barriers.at[b])
+      g = jnp.where(t < num_tiles, g_s[...].astype(jnp.float32), 0.0)
+      new_m, new_v, u = reference.tile_adam(
+        g, m_s[...], v_s[...], None, None, hyper_s, constants
+      )
+      _store(new_m, new_v, u, m_s, v_s, g_s)  # over the SMEM copies (same dtypes)
+      plgpu.commit_smem()  # make the SMEM writes visible to the TMA engine
+      for src, dst in ((m_s, m_out), (v_s, v_out), (g_s, u_out)):
+        plgpu.copy_smem_to_gmem(src, dst.at[j])
+      plgpu.wait_smem_to_gmem(0)  # the SMEM buffers are reused by the next slot
+
+    @pl.loop(0, -(-num_groups // num_programs))
+    def _step(n):
+      group = pl.program_id(0) + n * num_programs
+
+      @pl.when(group < num_groups)
+      def _group():
+        first = group * MGPU_SLOTS
+        plgpu.copy_gmem_to_smem(
+          idx_g.at[pl.ds(first, MGPU_SLOTS)], idx_s, barriers.at[1]
+        )
+        plgpu.barrier_wait(barriers.at[1])
+        for q in range(MGPU_SLOTS):
+          pl.when(first + q < k)(functools.partial(one_slot, first + q, idx_s[q]))
+
+  smem = plgpu.SMEM
+  pl.run_scoped(
+    scoped,
+    smem((MGPU_SLOTS,), jnp.int32),
+    smem((reference.NUM_HYPERPARAMS,), jnp.float32),
+    smem((r, c), g_g.dtype),
+    smem((r, c), m_g.dtype),
+    smem((r, c), v_g.dtype),
+    plgpu.Barrier(num_barriers=5),
+  )
+
+
+def _mgpu(g4, mu, nu, tile_index, hyper, constants, interpret):
+  pl = _compat.pallas()
+  plgpu = _compat.pallas_mosaic_gpu()
+  rows, r, cols, c = g4.shape
+  k = mu.shape[0]
+  num_groups = -(-k // MGPU_SLOTS)
+  # Whole groups of indices (empty slots past K, skipped): K int32s, not the state.
+  idx = jnp.pad(
+    tile_index, (0, num_groups * MGPU_SLOTS - k), constant_values=rows * cols
+  )
+  # One group per program on a GPU; in the interpreter one program takes all:
+  # jax 0.12.0's GPU interpreter keeps the writes of program 0 only (pallas_mgpu).
+  num_programs = 1 if interpret else num_groups
+  gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
+  kernel = functools.partial(
+    _mgpu_kernel,
+    constants=constants,
+    shape=(k, r, c, cols, rows * cols, num_groups),
+    num_programs=num_programs,
+  )
+  return pl.pallas_call(
+    kernel,
+    out_shape=_out_shapes(g4, mu, nu),
+    grid=(num_programs,),
+    in_specs=[gmem] * 5,
+    out_specs=[gmem] * 3,
+    input_output_aliases={3: 0, 4: 1},
+    compiler_params=plgpu.CompilerParams(),
+    interpret=plgpu.InterpretGPUParams() if interpret else False,
+    name="tile_adam_mgpu",
+  )(idx, hyper, g4.reshape(rows * r, cols * c), mu, nu)

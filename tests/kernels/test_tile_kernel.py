@@ -3,8 +3,8 @@
 The reference gathers the active tiles of g with a fill for the empty slots and runs
 :func:`reference.tile_adam` on them (the XLA path of compact tile storage). Mosaic TPU
 runs in ``pltpu.InterpretParams()`` and Triton in the generic interpreter (both jax
-lines); Mosaic GPU has no tile kernel yet (``why_unavailable`` says so). Grids have
-at most 8 steps.
+lines), Mosaic GPU in ``plgpu.InterpretGPUParams()`` (jax >= 0.12; skipped with the
+reason on older jax). Grids have at most 8 steps (slots, or groups of slots).
 
 Tolerances: float32 outputs rtol 1e-6 (the same f32 expressions; XLA may fuse
 ``0.2 g + 0.8 m`` into an FMA, the interpreters do not: a last-bit difference);
@@ -20,10 +20,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from magma_optax import _compat
 from magma_optax.kernels import pallas_tiles
 from magma_optax.kernels import reference
 
-BACKENDS = ["triton", "mosaic_tpu"]
+NO_GPU_INTERPRETER = (
+  f"jax {jax.__version__} has no Mosaic GPU interpreter"
+  " (plgpu.InterpretGPUParams is public from jax 0.12)"
+)
+HAS_MGPU = _compat.has_mosaic_gpu()
+BACKENDS = ["triton", "mosaic_tpu"] + (["mosaic_gpu"] if HAS_MGPU else [])
+ALL_BACKENDS = [
+  "triton",
+  "mosaic_tpu",
+  pytest.param(
+    "mosaic_gpu", marks=pytest.mark.skipif(not HAS_MGPU, reason=NO_GPU_INTERPRETER)
+  ),
+]
 
 
 def tile_adam_xla(g4, mu, nu, tile_index, hyper, constants):
@@ -54,11 +67,11 @@ CASES = [
   ((4, 8, 2, 128), 4, 2, jnp.bfloat16, jnp.bfloat16, 100, 1.0, BACKENDS),
   ((3, 1, 4, 128), 7, 5, jnp.float32, jnp.float32, 3, 1e-3, BACKENDS),  # (1, 128)
   ((2, 16, 3, 128), 3, 0, jnp.float32, jnp.float32, 2, 1e-3, BACKENDS),  # all empty
-  ((4, 4, 4, 32), 6, 4, jnp.float32, jnp.bfloat16, 5, 1e-2, ["triton"]),
+  ((4, 4, 4, 32), 6, 4, jnp.float32, jnp.bfloat16, 5, 1e-2, ["triton", "mosaic_gpu"]),
 ]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_tile_kernel_matches_xla_reference(backend, case):
   view, k, active, g_dtype, m_dtype, count, lr, backends = CASES[case]
@@ -119,7 +132,30 @@ def test_leaf_with_leading_axes():
     ((8, 96), "triton", "powers of two"),
     ((3, 128), "triton", "powers of two"),
     ((8, 64), "mosaic_tpu", "multiple of 128"),
-    ((8, 128), "mosaic_gpu", "Triton"),
+    pytest.param(
+      (8, 128),
+      "mosaic_gpu",
+      "jax >= 0.12",
+      marks=pytest.mark.skipif(HAS_MGPU, reason="jax >= 0.12"),
+    ),
+    pytest.param(
+      (8, 512),
+      "mosaic_gpu",
+      "TMA",
+      marks=pytest.mark.skipif(not HAS_MGPU, reason=NO_GPU_INTERPRETER),
+    ),
+    pytest.param(
+      (8, 2),
+      "mosaic_gpu",
+      "16 bytes",
+      marks=pytest.mark.skipif(not HAS_MGPU, reason=NO_GPU_INTERPRETER),
+    ),
+    pytest.param(
+      (256, 128),
+      "mosaic_gpu",
+      "shared memory",
+      marks=pytest.mark.skipif(not HAS_MGPU, reason=NO_GPU_INTERPRETER),
+    ),
     ((8, 128), "cuda", "backend must be"),
   ],
 )
@@ -143,6 +179,12 @@ def test_why_unavailable_explains_illegal_blocks(block, backend, needle):
     ((16, 256), (jnp.bfloat16, jnp.float32), "triton"),
     ((1, 128), (jnp.float32,), "mosaic_tpu"),
     ((24, 384), (jnp.bfloat16,), "mosaic_tpu"),
+    pytest.param(
+      (1, 128),
+      (jnp.bfloat16, jnp.float32),
+      "mosaic_gpu",
+      marks=pytest.mark.skipif(not HAS_MGPU, reason=NO_GPU_INTERPRETER),
+    ),
   ],
 )
 def test_why_unavailable_accepts_legal_blocks(block, dtypes, backend):
