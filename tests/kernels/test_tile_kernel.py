@@ -63,10 +63,9 @@ def _inputs(seed, view, k, active, g_dtype, m_dtype=jnp.float32):
 # (view (rows, r, cols, c), K, active slots, g dtype, mu dtype, count, lr, backends)
 CASES = [
   ((4, 8, 2, 128), 5, 3, jnp.float32, jnp.float32, 1, 1e-3, BACKENDS),
-  ((4, 8, 2, 128), 8, 8, jnp.bfloat16, jnp.float32, 7, 3e-2, BACKENDS),  # no empty
   ((4, 8, 2, 128), 4, 2, jnp.bfloat16, jnp.bfloat16, 100, 1.0, BACKENDS),
-  ((3, 1, 4, 128), 7, 5, jnp.float32, jnp.float32, 3, 1e-3, BACKENDS),  # (1, 128)
-  ((2, 16, 3, 128), 3, 0, jnp.float32, jnp.float32, 2, 1e-3, BACKENDS),  # all empty
+  ((3, 1, 4, 128), 6, 6, jnp.float32, jnp.float32, 3, 3e-2, BACKENDS),  # no empty
+  ((2, 16, 3, 128), 3, 0, jnp.bfloat16, jnp.float32, 2, 1e-3, BACKENDS),  # all empty
   ((4, 4, 4, 32), 6, 4, jnp.float32, jnp.bfloat16, 5, 1e-2, ["triton", "mosaic_gpu"]),
 ]
 
@@ -104,7 +103,8 @@ def test_tile_kernel_matches_xla_reference(backend, case):
   )
 
 
-def test_leaf_with_leading_axes():
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_leaf_with_leading_axes(backend):
   """A (2, 16, 256) leaf in (8, 128) tiles: the view (4, 8, 2, 128)."""
   constants = reference.AdamConstants()
   hyper = reference.hyperparams(4, 1e-3, 0.0, constants)
@@ -112,18 +112,17 @@ def test_leaf_with_leading_axes():
   g4 = leaf.reshape(4, 8, 2, 128)
   tile_index = jnp.array([0, 3, 6, 8], jnp.int32)
   mu = nu = jnp.full((4, 8, 128), 0.5)
-  for backend in BACKENDS:
-    got = pallas_tiles.tile_adam_pallas(
-      g4, mu, nu, tile_index, hyper, constants, backend=backend, interpret=True
-    )
-    # Tile 3 is rows 8..15 of the first matrix, columns 128..255.
-    new_m, _, _ = reference.tile_adam(
-      leaf[0, 8:16, 128:], mu[1], nu[1], None, None, hyper, constants
-    )
-    np.testing.assert_allclose(got[0][1], new_m, rtol=1e-6)
-    want = tile_adam_xla(g4, mu, nu, tile_index, hyper, constants)
-    for a, b in zip(got, want, strict=True):
-      np.testing.assert_allclose(a, b, rtol=1e-6)
+  got = pallas_tiles.tile_adam_pallas(
+    g4, mu, nu, tile_index, hyper, constants, backend=backend, interpret=True
+  )
+  # Tile 3 is rows 8..15 of the first matrix, columns 128..255.
+  new_m, _, _ = reference.tile_adam(
+    leaf[0, 8:16, 128:], mu[1], nu[1], None, None, hyper, constants
+  )
+  np.testing.assert_allclose(got[0][1], new_m, rtol=1e-6)
+  want = tile_adam_xla(g4, mu, nu, tile_index, hyper, constants)
+  for a, b in zip(got, want, strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
 @pytest.mark.parametrize(
