@@ -33,10 +33,13 @@ Per backend (:func:`why_unavailable` gives the constraints as a sentence):
   as ``(S, r, c)`` blocks of the slot axis (the last block may be partial: Pallas
   masks its write-back), and ``g`` stays in HBM (``memory_space=ANY``), its ``S``
   tiles fetched with one DMA each from the view ``(rows, r, cols * c)``, started
-  together and awaited before the math. m and v are aliased to m' and v'. ``c`` must
-  be a multiple of 128 (lanes); any ``r`` is legal, since the blocks span the view's
-  whole ``r`` axis (``r`` below the sublane count, 8 for 32-bit, 16 for 16-bit, pads
-  each tile's vector registers: correct, more work per byte).
+  together and awaited before the math (Pallas pipelines the m, v blocks across
+  steps; these DMAs are not overlapped with the previous step: a possible
+  refinement). m and v are aliased to m' and v' (not in the interpreter when the
+  last block is partial, where aliasing fails to lower). ``c`` must be a multiple
+  of 128 (lanes); any ``r`` is legal, since the blocks span the view's whole ``r``
+  axis (``r`` below the sublane count, 8 for 32-bit, 16 for 16-bit, pads each
+  tile's vector registers: correct, more work per byte).
 * ``"triton"``: one program per slot reads the tile index from the int32 index
   array, loads the ``(r, c)`` tile with dynamic offsets (``pl.ds``) from the 2-D
   view ``(rows * r, cols * c)`` of ``g``, and zeroes it for an empty slot. Triton's
