@@ -17,7 +17,12 @@ One short run on a machine with a GPU (about a minute after compilation):
    large leaf against numpy, and the cost of one refresh at ``every=100`` timed
    step by step as in ``benchmarks/sparse_state.py`` (donated buffers), with the
    ordinary step of ``periodic_mask`` and of ``sparse_state`` skip / compact
-   storage against ``optax.adam``.
+   storage against ``optax.adam``;
+5. the tile kernel of compact tile storage (``kernels/pallas_tiles.py``, each GPU
+   backend) against its XLA reference (a gather of the active tiles) at density 0.3
+   with empty slots, tiles (8, 128) and (1, 128), and alone against that reference
+   on a (2048, 2048) leaf at densities 0.1, 0.3 and 1.0 (ms and GB/s, counting per
+   active entry: read g, read and write m and v, write the update).
 
 Targets (issue 3): ``adam_magma[pallas]`` <= 1.05x ``optax.adam``, and >= 80 % of
 copy bandwidth. Exit status 1 if a correctness check fails; targets are reported,
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import os
 import sys
 import time
@@ -55,6 +61,7 @@ from magma_optax import _blocks
 from magma_optax import _compat
 from magma_optax import kernels
 from magma_optax.kernels import api
+from magma_optax.kernels import pallas_tiles
 from magma_optax.kernels import partitioned
 from magma_optax.kernels import reference
 
@@ -74,6 +81,14 @@ SMOKE_CASES = [
   ((33, 17), "row", jnp.float32, True),
   ((3, 5, 7), "tensor", jnp.bfloat16, True),
 ]
+# The tile kernel (compact tile storage): (leaf shape, g dtype, moments' dtype).
+TILE_CASES = [
+  ((256, 512), jnp.float32, jnp.float32),
+  ((4, 512, 1024), jnp.bfloat16, jnp.float32),
+  ((2048, 2048), jnp.float32, jnp.bfloat16),
+]
+SMOKE_TILE_CASES = [((2, 16, 256), jnp.float32, jnp.float32)]
+TILE_DENSITIES = [0.1, 0.3, 1.0]
 
 
 def gpu_backends() -> list[str]:
@@ -230,6 +245,106 @@ def kernel_bandwidth(
   )
 
 
+def tile_adam_xla(g4, mu, nu, tile_index, hyper, constants):
+  """The XLA reference of the tile kernel: gather the slots' tiles, then Adam."""
+  cols = g4.shape[2]
+  g = g4.at[tile_index // cols, :, tile_index % cols, :].get(
+    mode="fill", fill_value=0, indices_are_sorted=True
+  )
+  new_m, new_v, u = reference.tile_adam(g, mu, nu, None, None, hyper, constants)
+  return new_m.astype(mu.dtype), new_v.astype(nu.dtype), u.astype(g4.dtype)
+
+
+def _tile_inputs(shape, block, density, g_dtype, m_dtype, empty=0, seed=0):
+  """g as (rows, r, cols, c), random moments of K = active + ``empty`` slots."""
+  r, c = block
+  g4 = jax.random.normal(jax.random.key(seed), shape).astype(g_dtype)
+  g4 = g4.reshape(-1, r, shape[-1] // c, c)
+  n = g4.shape[0] * g4.shape[2]
+  active = max(1, round(density * n))
+  rng = np.random.default_rng(seed)
+  idx = np.full(active + empty, n, np.int32)
+  idx[:active] = np.sort(rng.choice(n, active, replace=False))
+  k = jax.random.split(jax.random.key(seed + 1))
+  mu = (0.1 * jax.random.normal(k[0], (len(idx), r, c))).astype(m_dtype)
+  nu = 0.01 * jax.random.uniform(k[1], (len(idx), r, c))
+  return g4, mu, nu, jnp.asarray(idx)
+
+
+def check_tiles(cases, blocks, backends, interpret=False) -> bool:
+  """``pallas_tiles.tile_adam_pallas`` vs :func:`tile_adam_xla`, density 0.3 and 3
+  empty slots; a failure to compile is reported as a FAIL, not raised."""
+  constants = reference.AdamConstants()
+  hyper = reference.hyperparams(5, 1e-3, 0.0, constants)
+  ok = True
+  for backend in backends:
+    for (shape, g_dtype, m_dtype), block in itertools.product(cases, blocks):
+      args = _tile_inputs(shape, block, 0.3, g_dtype, m_dtype, empty=3)
+      what = f"tile kernel[{backend}] {shape} block {block} K={len(args[3])}"
+      try:
+        got = jax.jit(
+          functools.partial(
+            pallas_tiles.tile_adam_pallas,
+            hyper=hyper,
+            constants=constants,
+            backend=backend,
+            interpret=interpret,
+          )  # fmt: skip
+        )(*args)
+      except Exception as e:  # noqa: BLE001 -- report, check the other cases
+        print(f"{what}: {type(e).__name__}: {str(e).splitlines()[0][:200]} FAIL")
+        ok = False
+        continue
+      want = tile_adam_xla(*args, hyper, constants)
+      errs = []
+      for a, b in zip(got, want, strict=True):
+        b32 = np.asarray(b, np.float32)
+        err = np.max(np.abs(np.asarray(a, np.float32) - b32))
+        errs.append(float(err / (np.max(np.abs(b32)) + 1e-30)))
+      tol = 1e-5 if jnp.float32 == g_dtype == m_dtype else 1e-2
+      good = max(errs) <= tol
+      ok &= good
+      print(
+        f"{what} {jnp.dtype(g_dtype).name}/{jnp.dtype(m_dtype).name}: worst rel err"
+        f" {max(errs):.1e} (tol {tol:.0e}) {'OK' if good else 'FAIL'}"
+      )
+  return ok
+
+
+def tile_bandwidth(shape, block, densities, rounds, backend, interpret=False) -> None:
+  """The tile kernel alone vs the XLA reference (donated moments), per density;
+  bytes = K r c (read g, read and write m and v, write the update)."""
+  constants = reference.AdamConstants()
+  hyper = reference.hyperparams(5, 1e-3, 0.0, constants)
+  kernel = functools.partial(
+    pallas_tiles.tile_adam_pallas, backend=backend, interpret=interpret
+  )
+  donated = functools.partial(jax.jit, donate_argnums=(1, 2))
+  runs = {
+    "kernel": donated(lambda g, m, v, i: kernel(g, m, v, i, hyper, constants)),
+    "xla": donated(lambda g, m, v, i: tile_adam_xla(g, m, v, i, hyper, constants)),
+  }
+  for density in densities:
+    g4, mu, nu, idx = _tile_inputs(shape, block, density, jnp.float32, jnp.float32)
+    state = {name: (jnp.copy(mu), jnp.copy(nu)) for name in runs}
+    times = {name: [] for name in runs}
+    for _ in range(rounds + 1):  # round 0 compiles
+      for name, fn in runs.items():
+        t0 = time.perf_counter()
+        m, v, u = fn(g4, *state[name], idx)
+        jax.block_until_ready((m, v, u))
+        times[name].append(time.perf_counter() - t0)
+        state[name] = (m, v)
+    nbytes = mu.size * (4 + 2 * (4 + 4) + 4)
+    ms = {name: float(np.median(t[1:])) * 1e3 for name, t in times.items()}
+    print(
+      f"tile bandwidth[{backend}] {shape} block {block} density {density}"
+      f" K={len(idx)}: kernel {ms['kernel']:.3f} ms"
+      f" ({nbytes / ms['kernel'] / 1e6:.0f} GB/s), xla reference {ms['xla']:.3f} ms"
+      f" ({nbytes / ms['xla'] / 1e6:.0f} GB/s)"
+    )
+
+
 def check_top_k(shape=(1024, 1024)) -> bool:
   """``periodic_mask``'s top-k (sampled search, ties) on this device vs numpy."""
   from magma_optax._topk import top_k_mask as _top_k_mask
@@ -338,8 +453,10 @@ def main(argv=None):
     for interpret in [True] + (["gpu"] if "mosaic_gpu" in backends else []):
       ok &= check_optimizer(8192, interpret=interpret)
     ok &= check_top_k((256, 512))
+    ok &= check_tiles(SMOKE_TILE_CASES, [(8, 128)], backends, interpret=True)
     for backend in backends:
       kernel_bandwidth(8192, 1, interpret=True, backend=backend)
+      tile_bandwidth((32, 256), (8, 128), [0.3], 1, backend, interpret=True)
     sizes, rounds, implementations = [8192], 1, ["xla"]
   elif jax.default_backend() != "gpu":
     print("no GPU: this script checks the Pallas GPU kernels; nothing to do.")
@@ -350,8 +467,11 @@ def main(argv=None):
     ok = check_kernel(backends=backends)
     ok &= check_optimizer()
     ok &= check_top_k()
+    ok &= check_tiles(TILE_CASES, [(8, 128), (1, 128)], backends)
     for backend in backends:
       kernel_bandwidth(64 * 2**20, args.rounds, backend=backend)
+      for block in [(8, 128), (1, 128)]:
+        tile_bandwidth((2048, 2048), block, TILE_DENSITIES, args.rounds, backend)
     sizes = [x if x == "transformer" else int(float(x)) for x in args.sizes.split(",")]
     rounds, implementations = args.rounds, ["xla", "pallas"]
   for size in sizes:

@@ -13,7 +13,10 @@ after compilation):
 3. the step-overhead table of ``benchmarks/step_overhead.py`` (interleaved rounds,
    ratios against ``optax.adam`` in the same run) with ``adam_magma`` xla and
    pallas, at 1 M, 25 M and 100 M parameters and on a transformer-shaped tree of
-   144 leaves.
+   144 leaves;
+4. the tile kernel of compact tile storage (``kernels/pallas_tiles.py``) against
+   its XLA reference at density 0.3 with empty slots, (8, 128) tiles, and alone
+   against that reference on a (2048, 2048) leaf at densities 0.1, 0.3 and 1.0.
 
 Exit status 1 if a correctness check fails; timings are reported, not judged.
 
@@ -77,7 +80,11 @@ def main(argv=None):
     print("smoke run: TPU interpreter, tiny sizes; timings mean nothing")
     ok = gpu_check.check_kernel(SMOKE_CASES, interpret=True, backends=[backend])
     ok &= gpu_check.check_optimizer(8192, interpret="tpu")
+    ok &= gpu_check.check_tiles(
+      gpu_check.SMOKE_TILE_CASES, [(8, 128)], [backend], interpret=True
+    )
     gpu_check.kernel_bandwidth(8192, 1, interpret=True, backend=backend)
+    gpu_check.tile_bandwidth((32, 256), (8, 128), [0.3], 1, backend, interpret=True)
     sizes, rounds, implementations = [8192], 1, ["xla"]
   elif jax.default_backend() != "tpu":
     print("no TPU: this script checks the Mosaic TPU kernel; nothing to do.")
@@ -85,7 +92,11 @@ def main(argv=None):
   else:
     ok = gpu_check.check_kernel(CASES, backends=[backend])
     ok &= gpu_check.check_optimizer()
+    ok &= gpu_check.check_tiles(gpu_check.TILE_CASES, [(8, 128)], [backend])
     gpu_check.kernel_bandwidth(64 * 2**20, args.rounds, backend=backend)
+    gpu_check.tile_bandwidth(
+      (2048, 2048), (8, 128), gpu_check.TILE_DENSITIES, args.rounds, backend
+    )
     sizes = [x if x == "transformer" else int(float(x)) for x in args.sizes.split(",")]
     rounds, implementations = args.rounds, ["xla", "pallas"]
   for size in sizes:
