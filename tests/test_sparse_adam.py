@@ -12,6 +12,7 @@ import optax
 import pytest
 
 import magma_optax as magma
+from magma_optax import _compat
 from magma_optax.kernels import tiles
 
 BLOCK = (8, 128)
@@ -162,3 +163,38 @@ def test_inject_hyperparams_learning_rate():
   u, _ = tx.update(params, tx.init(params), params, param_mask=mask)
   v, _ = want.update(params, want.init(params), params, param_mask=mask)
   np.testing.assert_array_equal(u["w"], v["w"])
+
+
+@pytest.mark.parametrize(
+  "interpret",
+  [
+    True,
+    "tpu",
+    pytest.param(
+      "gpu",
+      marks=pytest.mark.skipif(
+        not _compat.has_mosaic_gpu(), reason="Mosaic GPU needs jax >= 0.12"
+      ),
+    ),
+  ],
+)
+def test_pallas_kernel_in_interpreter_matches_xla(interpret):
+  params = {"w": PARAMS["w"], "b": PARAMS["b"]}  # one tile leaf, one dense leaf
+  kwargs = dict(mode="compact", density=0.5, block=BLOCK, where=_matrices)
+
+  def run(**impl):
+    tx = _pruned(magma.sparse_adam(1e-2, **kwargs, **impl), block=BLOCK)
+    state = tx.init(params)
+    p = params
+    for t in range(4):  # a refresh at step 3 moves and resets tiles
+      g = jax.tree.map(lambda x, t=t: jnp.cos(x * (t + 1)), p)
+      u, state = tx.update(g, state, p)
+      p = optax.apply_updates(p, u)
+    return p, state
+
+  want = run(implementation="xla")
+  got = run(implementation="pallas", interpret=interpret)
+  for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(
+      np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=1e-5, atol=1e-7
+    )
