@@ -64,6 +64,7 @@ from magma_optax.kernels import api
 from magma_optax.kernels import pallas_tiles
 from magma_optax.kernels import partitioned
 from magma_optax.kernels import reference
+from magma_optax.kernels import tiles
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sparse_state  # noqa: E402
@@ -245,14 +246,8 @@ def kernel_bandwidth(
   )
 
 
-def tile_adam_xla(g4, mu, nu, tile_index, hyper, constants):
-  """The XLA reference of the tile kernel: gather the slots' tiles, then Adam."""
-  cols = g4.shape[2]
-  g = g4.at[tile_index // cols, :, tile_index % cols, :].get(
-    mode="fill", fill_value=0, indices_are_sorted=True
-  )
-  new_m, new_v, u = reference.tile_adam(g, mu, nu, None, None, hyper, constants)
-  return new_m.astype(mu.dtype), new_v.astype(nu.dtype), u.astype(g4.dtype)
+# The XLA reference of the tile kernel: gather the slots' tiles, then Adam.
+tile_adam_xla = tiles.tile_adam_reference
 
 
 def _tile_inputs(shape, block, density, g_dtype, m_dtype, empty=0, seed=0):
@@ -371,12 +366,32 @@ def check_top_k(shape=(1024, 1024)) -> bool:
   return ok
 
 
-def sparse_training(width: int, layers: int, rounds: int, steps: int) -> None:
-  """Refresh cost at every=100 and ordinary steps, donated, on this device."""
+def sparse_training(
+  width: int, layers: int, rounds: int, steps: int, pallas: bool = True
+) -> None:
+  """Refresh cost at every=100 and ordinary steps, donated, on this device; and
+  ``sparse_adam`` (skip storage; tile storage at density 0.3 with the XLA path and,
+  if ``pallas``, the tile kernel)."""
   params = sparse_state.make_params(width, layers)
   grads = jax.tree.map(lambda x: jnp.full_like(x, 0.01), params)
   adam = optax.adam(1e-3)
   mask = sparse_state.random_mask(params, 0.5)
+  block = (8, min(128, width))
+  tile_mask = sparse_state.random_tile_mask(params, 0.3, block)
+  matrices = lambda path, x: x.ndim == 2
+  tile_runs = {"xla": "xla", **({"pallas": "pallas"} if pallas else {})}
+  tile_runners = {}
+  for name, impl in tile_runs.items():
+    tx = magma.sparse_adam(
+      1e-3, mode="compact", density=0.3, block=block, where=matrices,
+      implementation=impl,
+    )  # fmt: skip
+    try:
+      tile_runners[f"sparse_adam tiles {block}, density 0.3 [{name}]"] = (
+        sparse_state.timer(tx, params, grads, steps, tile_mask, donate=True)[0]
+      )
+    except Exception as e:  # noqa: BLE001  report and go on: the rest still runs
+      print(f"FAIL sparse_adam tiles [{name}]: {type(e).__name__}: {e}"[:400])
   runners = {
     "optax.adam": sparse_state.timer(adam, params, grads, steps, donate=True)[0],
     "periodic_mask(adam), no refresh": sparse_state.timer(
@@ -397,6 +412,10 @@ def sparse_training(width: int, layers: int, rounds: int, steps: int) -> None:
       mask,
       donate=True,
     )[0],
+    "sparse_adam skip, density 0.5": sparse_state.timer(
+      magma.sparse_adam(1e-3), params, grads, steps, mask, donate=True
+    )[0],
+    **tile_runners,
   }
   times = sparse_state.interleaved(runners, rounds)
   n = sum(x.size for x in jax.tree.leaves(params))
@@ -488,7 +507,7 @@ def main(argv=None):
           f" >= 80% of copy bandwidth: {'met' if frac >= 0.8 else 'NOT met'}"
         )
   if args.smoke:
-    sparse_training(64, 2, 1, 10)
+    sparse_training(64, 2, 1, 10, pallas=False)
   else:
     sparse_training(1024, 8, args.rounds, 200)
   print("\nALL CHECKS OK" if ok else "\nSOME CHECKS FAILED")
