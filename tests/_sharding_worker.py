@@ -132,6 +132,19 @@ def sparse_transforms():
       magma.periodic_mask(optax.adam(0.1), sparsity=0.5, every=2, block=(4, 4)),
       SQUARE,
     )
+  if hasattr(magma, "sparse_adam"):
+    # Compact tile storage (one vector of tiles per leaf) under AxisType.Auto: XLA
+    # keeps the compact tiles replicated and all-reduces the gathered active tiles
+    # of g (density x the leaf, here 1/4 of it) every step; never the whole leaf.
+    cases["periodic_mask_sparse_adam_tiles"] = (
+      magma.periodic_mask(
+        magma.sparse_adam(0.1, mode="compact", density=0.25, block=(4, 4)),
+        sparsity=0.75,
+        every=2,
+        block=(4, 4),
+      ),
+      SQUARE,
+    )
   return cases
 
 
