@@ -72,7 +72,7 @@ def _assert_matches_numpy(tx, shapes, seed, **reference_kwargs):
       np.testing.assert_allclose(got, w, rtol=2e-5, atol=2e-6)
 
 
-@hypothesis.settings(max_examples=12, deadline=None, derandomize=True)
+@hypothesis.settings(max_examples=8, deadline=None, derandomize=True)
 @hypothesis.given(problems())
 def test_magma_matches_numpy_algorithm1(problem):
   shapes, granularity, stack_axes, tau, keep_prob, seed = problem
@@ -85,7 +85,7 @@ def test_magma_matches_numpy_algorithm1(problem):
   )
 
 
-@hypothesis.settings(max_examples=8, deadline=None, derandomize=True)
+@hypothesis.settings(max_examples=5, deadline=None, derandomize=True)
 @hypothesis.given(problems())
 def test_skip_update_matches_numpy(problem):
   shapes, granularity, stack_axes, _, keep_prob, seed = problem
