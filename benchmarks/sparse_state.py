@@ -28,13 +28,13 @@ step-time ratio, the step's temporary bytes (``memory_analysis``), and a model o
 the bytes each step moves per parameter (float32, donated, density d): dense Adam
 28 (read p, g, mu, nu; write p, mu, nu); skip 29 (+ the mask); flat compact
 17 + 24 d (mask, index build, gather of g, moments of the active entries, a zero
-update with the entries scattered into it, ``p + u``); N:M 29; tiles 9 + 24 d (the
-mask, read once for the tile check, g and the moments of the active tiles, the
+update with the entries scattered into it, ``p + u``), + 4 d with the cached index
+(read instead of built, ``cache_index=True``, the default); N:M 29; tiles 9 + 24 d
+(the mask, read once for the tile check, g and the moments of the active tiles, the
 compact update, ``p + u`` with the expansion fused; ``sparse_adam``, the same
 storage with its Adam step fused over the active tiles, the same model); and,
-outside optax's
-update/apply split, the tile step that scatter-adds into the donated parameters,
-1 + 28 d. The model ratio is the model over 28.
+outside optax's update/apply split, the tile step that scatter-adds into the
+donated parameters, 1 + 28 d. The model ratio is the model over 28.
 
 Within a round every configuration is measured once, interleaved (in a seeded
 shuffled order), so the ratios compare runs under the same machine load. Table 1
@@ -334,6 +334,11 @@ def table_tiles(args):
     ),
     f"compact, element mask {d}": (
       magma.sparse_state(adam, mode="compact", density=d),
+      masks["element"],
+      17 + 28 * d,
+    ),
+    f"compact, element mask {d}, cache_index=False": (
+      magma.sparse_state(adam, mode="compact", density=d, cache_index=False),
       masks["element"],
       17 + 24 * d,
     ),

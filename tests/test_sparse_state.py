@@ -106,9 +106,14 @@ def test_compact_equals_skip(mode_runs, base_name):
 def test_compact_storage_shapes(mode_runs):
   _, state, _, _ = mode_runs["adam", "compact"]
   mu = state.inner_state.base_state[0].mu
-  # capacity = ceil(0.25 * size) per leaf; 1 bit of bookkeeping per entry.
+  # capacity = ceil(0.25 * size) per leaf; 1 bit of bookkeeping per entry, and the
+  # indices of the stored entries.
   assert {k: v.shape for k, v in mu.items()} == {"p0": (16,), "p1": (16,)}
-  assert state.inner_state.stored_bits["p0"].shape == (8,)
+  bits, index = state.inner_state.stored_bits["p0"]
+  assert bits.shape == (8,) and index.shape == (16,)
+  mask = np.asarray(state.mask["p0"]).reshape(-1)
+  np.testing.assert_array_equal(index, np.flatnonzero(mask)[:16])
+  np.testing.assert_array_equal(np.unpackbits(bits)[: mask.size], mask)
 
 
 def state_bytes(state):
@@ -119,9 +124,43 @@ def state_bytes(state):
 def test_compact_state_bytes_follow_density(density):
   params = {"w": jnp.zeros((64, 64)), "v": jnp.zeros((32, 128))}
   dense = state_bytes(optax.adam(LR).init(params))
-  tx = magma.sparse_state(optax.adam(LR), mode="compact", density=density)
+  tx = magma.sparse_state(
+    optax.adam(LR), mode="compact", density=density, cache_index=False
+  )
   ratio = state_bytes(tx.init(params)) / dense
   assert density <= ratio <= density + 0.05
+  # The default keeps the stored entries' int32 indices too: + density / 2.
+  tx = magma.sparse_state(optax.adam(LR), mode="compact", density=density)
+  ratio = state_bytes(tx.init(params)) / dense
+  assert 1.5 * density <= ratio <= 1.5 * density + 0.05
+
+
+def test_cached_index_equals_rebuilt_index():
+  # The cached index (rebuilt only when the mask changes) and the index rebuilt
+  # every step give the same trajectory, through refreshes that regrow entries.
+  params = {"w": jax.random.normal(jax.random.key(0), (16, 24))}
+
+  def run(cache_index):
+    tx = magma.periodic_mask(
+      magma.sparse_state(
+        optax.adam(LR), mode="compact", density=0.5, cache_index=cache_index
+      ),
+      sparsity=0.5,
+      every=2,
+    )
+    state, p = tx.init(params), params
+    update = jax.jit(tx.update)
+    for t in range(6):
+      g = {"w": jnp.sin(p["w"] * (t + 1))}
+      u, state = update(g, state, p)
+      p = optax.apply_updates(p, u)
+    return p, state.inner_state.base_state
+
+  want, got = run(False), run(True)
+  for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_array_equal(x, y)
+  with pytest.raises(ValueError, match="cache_index must be True or False"):
+    magma.sparse_state(optax.adam(LR), mode="compact", density=0.5, cache_index=1)
 
 
 def test_auto_dense_above_threshold():
