@@ -537,7 +537,8 @@ class _Compact(_Storage):
   """Flat compact storage: a ``(capacity,)`` vector of the active entries.
 
   Slot ``j`` holds the ``j``-th active entry in flat-index order; the stored set
-  is kept as packed bits (1 bit per entry).
+  is kept as packed bits (1 bit per entry) and, with ``cache_index``, as the
+  slots' int32 indices too (the step's index, rebuilt only when the mask changes).
   """
 
   scoped = True
@@ -845,8 +846,8 @@ def sparse_state(
       or ``block``) keeps the int32 indices of its stored entries (4 bytes per
       slot) so that their index is rebuilt only when the mask changes (default).
       ``False`` stores 1 bit per entry only and rebuilds the index every step:
-      the least memory (``density + size / 8`` bytes' worth), several times the
-      step time on XLA:CPU (``benchmarks/RESULTS.md``).
+      the least memory (the stored entries' moments plus ``size / 8`` bytes),
+      about twice the step time on XLA:CPU (``benchmarks/RESULTS.md``).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with a :class:`SparseState`.
