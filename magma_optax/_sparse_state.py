@@ -15,11 +15,14 @@ transform). Per scoped leaf, one of two storages is used:
   the counts and ``density``: a ``ValueError`` raised before the step computes
   anything when the mask is concrete (``update`` outside ``jax.jit``). Under
   ``jax.jit`` the count exists only when the compiled step runs, and such a step
-  can fail only through the runtime: the same ``ValueError``, raised from a host
-  callback, arrives as a ``jax.errors.JaxRuntimeError`` ("INTERNAL: CpuCallback
-  error ...") whose last line is the message, and the step returns nothing. (With
-  donated buffers the donated inputs are gone too: to debug, run one step
-  without jit.)
+  can fail only through the runtime: the same ``ValueError`` is raised from a host
+  callback, and the step returns nothing, so no overflowing state reaches the
+  caller. JAX reports it as a ``jax.errors.JaxRuntimeError`` ("INTERNAL:
+  CpuCallback error ...", the message on its last line) -- or, on jax 0.10.2 and
+  0.12 when the jitted step's first call succeeded (an overflow at a later
+  refresh), as a ``ValueError`` with that text: JAX's dispatch decides, so catch
+  both. (With donated buffers the donated inputs are gone too: to debug, run one
+  step without jit.)
   Size ``density`` for the *densest* mask of the run: under a sparsity ramp the early
   masks are dense, so use skip storage until the ramp ends (or start sparse).
   When the mask changes, moments of entries that stay active move to their new slot
@@ -377,8 +380,9 @@ def _raise_any(checks: list[_Check]) -> jax.Array | None:
   here, before the step computes anything. Under ``jax.jit`` the counts are only
   known when the step runs, and a compiled step can only fail through the runtime:
   a host callback raises the same ``ValueError``, which JAX reports as a
-  ``JaxRuntimeError`` ("INTERNAL: CpuCallback error ...") whose last line is this
-  message; the step returns nothing, so no overflowing state reaches the caller.
+  ``JaxRuntimeError`` or a ``ValueError`` (with this message on the last line; see
+  the module docstring); the step returns nothing, so no overflowing state reaches
+  the caller.
 
   Returns ``None``, or under ``jax.jit`` an int32 zero that the caller must fold
   into the step's outputs: the callback is a ``jax.pure_callback`` inside one
@@ -978,6 +982,16 @@ def sparse_adam(
       )
     constants.append(float(value))
   constants = reference.AdamConstants(*constants)
+  if not callable(learning_rate) and (
+    isinstance(learning_rate, bool | str)
+    or learning_rate is None
+    or jnp.ndim(learning_rate) != 0
+    or not jnp.issubdtype(jnp.result_type(learning_rate), jnp.number)
+  ):
+    raise ValueError(
+      "sparse_adam: learning_rate must be a real scalar or an optax schedule;"
+      f" got {learning_rate!r}."
+    )
   interpret = api.check_interpret(interpret)
   if block is None and implementation not in (None, "xla"):
     raise ValueError(
@@ -1072,7 +1086,9 @@ def _planner(
     if density is not None:
       raise ValueError("give density or structure, not both.")
   if density is not None and not (
-    isinstance(density, int | float) and 0.0 < density <= 1.0
+    isinstance(density, int | float)
+    and not isinstance(density, bool)
+    and 0.0 < density <= 1.0
   ):
     raise ValueError(f"density must be a float in (0, 1]; got {density!r}.")
   if block is not None:

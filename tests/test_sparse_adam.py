@@ -121,6 +121,16 @@ def test_bad_input():
     magma.sparse_adam(
       1e-3, mode="compact", density=0.5, block=BLOCK, implementation="triton"
     )
+  for lr in ("x", None, True, [1e-3], jnp.ones(3)):
+    with pytest.raises(ValueError, match="learning_rate must be a real scalar"):
+      magma.sparse_adam(lr)
+  for impl in (3, ["xla", 1]):
+    with pytest.raises(ValueError, match="implementation must be one of"):
+      magma.sparse_adam(
+        1e-3, mode="compact", density=0.5, block=BLOCK, implementation=impl
+      )
+  with pytest.raises(ValueError, match="density must be"):
+    magma.sparse_adam(1e-3, mode="compact", density=True)
   with pytest.raises(ValueError, match="interpret must be"):
     magma.sparse_adam(1e-3, interpret="cpu")
   with pytest.raises(ValueError, match="density must be"):

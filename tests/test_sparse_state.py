@@ -458,11 +458,19 @@ def test_capacity_overflow_message_names_density_and_counts():
   with pytest.raises(ValueError, match=want):
     tx.update(params, state, params, param_mask=too_many)
   assert calls == []
-  # Under jit the runtime reports it; the message is the same.
-  with pytest.raises(Exception, match=want):
-    jax.block_until_ready(
-      jax.jit(tx.update)(params, state, params, param_mask=too_many)
-    )
+  # Under jit the runtime reports it, with the same message on its last line: a
+  # JaxRuntimeError, or (jax 0.10.2 and 0.12, when the jitted step's first call
+  # succeeded: an overflow at a later refresh) a ValueError. Either is accepted:
+  # which one is JAX's dispatch detail, not a promise.
+  errors = (ValueError, jax.errors.JaxRuntimeError)
+  step = jax.jit(tx.update)
+  with pytest.raises(errors, match=want):
+    jax.block_until_ready(step(params, state, params, param_mask=too_many))
+  step = jax.jit(tx.update)
+  fits = {"w": jnp.arange(8) < 2}
+  jax.block_until_ready(step(params, state, params, param_mask=fits))
+  with pytest.raises(errors, match=want):
+    jax.block_until_ready(step(params, state, params, param_mask=too_many))
   # Control: a mask that fits runs the base (eagerly: one more call).
   before = len(calls)
   tx.update(params, state, params, param_mask={"w": jnp.arange(8) < 2})

@@ -146,7 +146,7 @@ def device_reason(interpret: bool | str = False) -> str | None:
 
 def check_implementation(implementation: str) -> None:
   """Raises ``ValueError`` unless ``implementation`` is one of the names."""
-  if implementation not in IMPLEMENTATIONS:
+  if not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS:
     raise ValueError(
       f"implementation must be one of {IMPLEMENTATIONS}, a sequence of them, or"
       f" None; got {implementation!r}."
@@ -182,10 +182,14 @@ def first_available(
     order = DEFAULT_IMPLEMENTATIONS
   elif isinstance(implementation, str):
     order = (implementation,)
-  else:
+  elif isinstance(implementation, Sequence):
     order = tuple(implementation)
     if not order:
       raise ValueError("implementation must not be an empty sequence.")
+  else:
+    order = (implementation,)  # not a name: check_implementation says so
+  for impl in order:  # every entry is checked, not only those before a hit
+    check_implementation(impl)
   reasons = []
   for impl in order:
     reason = why(impl)
