@@ -19,6 +19,11 @@ import tempfile
 import _sharding_worker as worker
 import numpy as np
 
+try:
+  import fcntl  # POSIX: the lock that lets xdist workers share one run
+except ImportError:  # elsewhere each worker process runs its own
+  fcntl = None
+
 WORKER = os.path.join(os.path.dirname(__file__), "_sharding_worker.py")
 
 
@@ -26,10 +31,32 @@ WORKER = os.path.join(os.path.dirname(__file__), "_sharding_worker.py")
 def sharded_results() -> tuple[dict, str]:
   """Runs the worker on 8 forced CPU devices and, side by side, on one device.
 
+  Once per pytest run: under pytest-xdist the test modules that use it may run in
+  different worker processes, which share one output directory (named by the run's
+  ``PYTEST_XDIST_TESTRUNUID``); the first to take its lock runs the worker, the
+  others wait and read its results.
+
   Returns (the 8-device report, output dir).
   """
-  out_dir = tempfile.mkdtemp(prefix="magma_sharding_")
+  run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+  if run_id is None or fcntl is None:
+    out_dir = tempfile.mkdtemp(prefix="magma_sharding_")
+  else:
+    out_dir = os.path.join(tempfile.gettempdir(), f"magma_sharding_{run_id}")
+    os.makedirs(out_dir, exist_ok=True)
+  # xdist workers live until the whole run ends, so no reader is left behind.
   atexit.register(shutil.rmtree, out_dir, ignore_errors=True)
+  report = os.path.join(out_dir, "report.json")
+  with open(os.path.join(out_dir, ".lock"), "w") as lock:
+    if fcntl is not None:
+      fcntl.flock(lock, fcntl.LOCK_EX)
+    if not os.path.exists(report):
+      _run_worker(out_dir)
+  with open(report) as f:
+    return json.load(f), out_dir
+
+
+def _run_worker(out_dir: str) -> None:
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
   procs = [
@@ -46,8 +73,6 @@ def sharded_results() -> tuple[dict, str]:
     stdout, stderr = proc.communicate(timeout=600)
     if proc.returncode != 0:
       raise RuntimeError(f"sharding worker failed:\n{stdout}\n{stderr[-5000:]}")
-  with open(os.path.join(out_dir, "report.json")) as f:
-    return json.load(f), out_dir
 
 
 def sharded_arrays(name: str) -> dict[str, np.ndarray]:

@@ -55,7 +55,7 @@ STORAGES = {  # name: (sparse_state's storage arguments, periodic_mask's)
 
 
 @pytest.mark.parametrize(
-  "name, schedule", [(name, False) for name in STORAGES] + [("tiles", True)]
+  "name, schedule", [(name, name == "tiles") for name in STORAGES]
 )
 def test_equals_sparse_state_of_adam(name, schedule):
   lr = optax.linear_schedule(1e-2, 1e-3, 5) if schedule else 1e-2
