@@ -1032,15 +1032,17 @@ def sparse_adam(
         )  # fmt: skip
       else:
         g = s.gather(c, g)
-        m32, v32 = reference.moments(g, m, v, constants)
-        if isinstance(s, _Skip) and not _trees.is_masked(mask):
-          # Merged first, and the update computed from the merged moments as
-          # stored (the barrier): XLA then writes them in place and the update's
-          # loop reads them, instead of recomputing them from the old moments
-          # (which it would have to copy, since they are overwritten).
-          m32 = jnp.where(mask, m32, m.astype(jnp.float32)).astype(m.dtype)
-          v32 = jnp.where(mask, v32, v.astype(jnp.float32)).astype(v.dtype)
-          m32, v32 = jax.lax.optimization_barrier((m32, v32))
+        frozen = isinstance(s, _Skip) and not _trees.is_masked(mask)
+        # With a mask, reference.moments keeps the frozen entries (merged first).
+        m32, v32 = reference.moments(g, m, v, constants, mask if frozen else None)
+        if frozen:
+          # The update computed from the merged moments as stored (the barrier):
+          # XLA then writes them in place and the update's loop reads them,
+          # instead of recomputing them from the old moments (which it would
+          # have to copy, since they are overwritten).
+          m32, v32 = jax.lax.optimization_barrier(
+            (m32.astype(m.dtype), v32.astype(v.dtype))
+          )
         u = reference.update(
           m32.astype(jnp.float32), v32.astype(jnp.float32), hyper, constants,
           layout=None, dtype=g.dtype,
