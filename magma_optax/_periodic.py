@@ -43,7 +43,6 @@ gradients for pruned weights); zero-size leaves are scoped but have nothing to r
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
 
@@ -87,17 +86,6 @@ class PeriodicMaskState(NamedTuple):
   sparsity: jax.Array
   num_regrown: jax.Array
   inner_state: Any
-
-
-def _run_if(pred: jax.Array, fn: Callable[[Any], Any], operand: Any) -> Any:
-  """``fn(operand)`` if ``pred`` else ``operand``, as a loop of zero or one step.
-
-  A loop updates its carry in place; a ``lax.cond`` would copy ``operand`` into
-  its output buffers whichever branch runs (with donated buffers: every step).
-  """
-  return jax.lax.while_loop(
-    lambda c: c[0], lambda c: (jnp.asarray(False), fn(c[1])), (pred, operand)
-  )[1]
 
 
 def reset_moments(
@@ -352,7 +340,7 @@ def periodic_mask(
     scoped = [i for i, p in enumerate(plans) if p.layout is not None]
     total = sum(old[i].size for i in scoped)
 
-    # The refresh runs through _run_if, not a cond: on other steps the masks and
+    # The refresh runs through _trees.run_if, not a cond: on other steps the masks and
     # the inner state pass through untouched, where a cond would copy every mask
     # on every step. The refresh also resets the moments of regrown entries, so
     # nothing after it reads the old masks.
@@ -367,7 +355,7 @@ def periodic_mask(
       kept = _count([masks[i] for i in scoped]).astype(jnp.float32)
       # The reset reads and writes every moment, so it runs only when an entry
       # regrew (rare with the default |W|*|g|: pruned weights score 0).
-      inner_state = _run_if(
+      inner_state = _trees.run_if(
         num > 0,
         lambda s: reset_moments(s, regrown, treedef, moment_names),
         inner_state,
@@ -376,7 +364,7 @@ def periodic_mask(
       pruned = (total - kept) / max(total, 1)
       return masks, inner_state, target, num, pruned
 
-    masks, inner_state, target_now, num_regrown, sparsity_now = _run_if(
+    masks, inner_state, target_now, num_regrown, sparsity_now = _trees.run_if(
       is_refresh,
       refresh,
       (

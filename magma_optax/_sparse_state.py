@@ -428,9 +428,15 @@ class _Storage:
      indices or N:M slots), the new bits, whether the stored set changed
      (``None``: never, for dense storage), and the leaf's error check (capacity
      overflow, untiled mask; ``None``: none); all leaves' checks are raised
-     together, before anything else is computed;
-  2. ``remap(ctx, x, bits)``, only when some leaf's stored set changed: moves a
-     stored base-state entry to the new slots (regrown entries start from zero);
+     together, before the step computes the update;
+  2. only when the leaf's stored set changed, in a loop of zero or one step per
+     leaf (it rewrites the leaf's state in place; a ``lax.cond`` would copy it on
+     every step): ``rebuild(mask)`` for storages that cache their ``ctx``
+     (``rebuilds``; it returns the new ``ctx`` and the count that
+     ``rebuilt_check`` checks against the capacity; until then ``prepare``
+     returned the cached one), then ``remap(ctx, x, bits)`` on each of the leaf's
+     base-state entries: moves it to the new slots (regrown entries start from
+     zero);
   3. ``load(x, active)``: brings a host-resident entry to the device (offload);
   4. ``gather(ctx, x)``: leaf-shaped gradient or parameter -> stored shape;
   5. the base's update on the stored tree, with ``stored_mask(ctx, mask)``;
@@ -445,6 +451,7 @@ class _Storage:
 
   scoped = False  # the leaf takes a mask
   needs_mask = False  # the step cannot run without one
+  rebuilds = False  # ctx cached in the bits, rebuilt only when the mask changed
   tracks_cold = False  # counts all-inactive steps (offload)
 
   def __init__(self, shape: tuple[int, ...], name: str):
@@ -586,18 +593,21 @@ class _Compact(_Storage):
       idx, n_active = _active_indices(flat, self.capacity)
       check = _check_capacity(n_active, self.capacity, self._overflow)
       return idx, new_bits, jnp.any(new_bits != bits), check
-    old_bits, old_idx = bits
-    changed = jnp.any(new_bits != old_bits)
     # The index build reads every entry (a serial scatter on XLA:CPU, ~5x an Adam
-    # step per leaf): only when the mask changed. Else the stored indices, whose
-    # count was checked when they were built.
-    idx, n_active = jax.lax.cond(
-      changed,
-      lambda: _active_indices(flat, self.capacity),
-      lambda: (old_idx, jnp.sum(old_idx < self.size, dtype=jnp.int32)),
-    )
-    check = _check_capacity(n_active, self.capacity, self._overflow)
-    return idx, (new_bits, idx), changed, check
+    # step per leaf): only when the mask changed (`rebuild`). Until then the stored
+    # indices, whose count was checked when they were built.
+    old_bits, old_idx = bits
+    return old_idx, (new_bits, old_idx), jnp.any(new_bits != old_bits), None
+
+  @property
+  def rebuilds(self):
+    return self.cache_index
+
+  def rebuild(self, mask):
+    return _active_indices(mask.reshape(-1), self.capacity)
+
+  def rebuilt_check(self, n_active):
+    return _check_capacity(n_active, self.capacity, self._overflow)
 
   def remap(self, ctx, x, bits):
     if self.cache_index:
@@ -1270,27 +1280,49 @@ def _transformation(base, storages_of, offload_after, step, frozen=False):
       c, nb, ch, check = s.prepare(m, b, g)
       ctx.append(c)
       new_bits.append(nb)
-      if ch is not None:
-        changed.append(ch)
+      changed.append(ch)
       if check is not None:
         checks.append(check)
         checked.append(i)
-    zero = _raise_any(checks)
-    if zero is not None:  # keeps the check in the compiled step (an exact + 0)
-      i = checked[0]
-      new_bits[i] = jax.tree.map(lambda b: b + zero.astype(b.dtype), new_bits[i])
 
     def per_entry(fn, tree, *more):
       return _trees.map_like(fn, tree, treedef, *more, shapes=shapes)
 
     base_state = state.base_state
-    if changed:
-      base_state = jax.lax.cond(
-        jnp.any(jnp.stack(changed)),
-        lambda st: per_entry(lambda i, x: storages[i].remap(ctx[i], x, bits[i]), st),
-        lambda st: st,
-        base_state,
-      )
+    # Per leaf whose stored set changed, one loop of zero or one step (it rewrites
+    # the state in place; a `lax.cond` would copy it on every step, and one loop
+    # for all leaves keeps every leaf's temporaries at once): the cached ctx is
+    # rebuilt (`rebuild`), then every entry of the base state is remapped.
+    entries = [[] for _ in storages]
+    per_entry(lambda i, x: entries[i].append(x), base_state)
+    for i, s in enumerate(storages):
+      if changed[i] is None:
+        continue
+
+      def refresh(carry, i=i, s=s):
+        # The cached ctx's old value is the carry's (not `bits`'): the loop then
+        # rewrites it in place instead of copying it first.
+        old, n, xs = carry
+        if not s.rebuilds:
+          return old, n, [s.remap(ctx[i], x, bits[i]) for x in xs]
+        now, n = s.rebuild(masks[i])
+        return now, n, [s.remap(now, x, (bits[i][0], old)) for x in xs]
+
+      # Unchanged: the cached ctx (its count was checked when it was built).
+      carry = (ctx[i], jnp.zeros([], jnp.int32), entries[i])
+      ctx[i], n, entries[i] = _trees.run_if(changed[i], refresh, carry)
+      if s.rebuilds:
+        new_bits[i] = (new_bits[i][0], ctx[i])
+        checks.append(s.rebuilt_check(n))
+        checked.append(i)
+    queues = [iter(e) for e in entries]
+    base_state = per_entry(lambda i, x: next(queues[i]), base_state)
+    zero = _raise_any(checks)
+    if zero is not None:  # keeps the check in the compiled step (an exact + 0)
+      i = checked[0]
+      leaves, bits_def = jax.tree.flatten(new_bits[i])  # on the smallest: 1 bit/item
+      leaves[0] = leaves[0] + zero.astype(leaves[0].dtype)
+      new_bits[i] = bits_def.unflatten(leaves)
     old_state = per_entry(lambda i, x: storages[i].load(x, active[i]), base_state)
 
     stored_masks = [

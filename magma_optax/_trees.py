@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 
@@ -181,3 +182,14 @@ def split_param_mask(treedef: Any, param_mask: Any) -> list[Any]:
     return treedef.flatten_up_to(group)
   except (ValueError, TypeError) as e:
     raise ValueError(f"param_mask must be a pytree like the params; {e}") from None
+
+
+def run_if(pred: jax.Array, fn: Callable[[Any], Any], operand: Any) -> Any:
+  """``fn(operand)`` if ``pred`` else ``operand``, as a loop of zero or one step.
+
+  A loop updates its carry in place; a ``lax.cond`` copies ``operand`` into its
+  output buffers whichever branch runs (with donated buffers: every step).
+  """
+  return jax.lax.while_loop(
+    lambda c: c[0], lambda c: (jnp.asarray(False), fn(c[1])), (pred, operand)
+  )[1]
