@@ -268,6 +268,7 @@ def adam_magma(
     blank = [optax.MaskedNode()] * len(grads)
     old_scores = treedef.flatten_up_to(mask_state.scores) if plans else blank
     old_norms = treedef.flatten_up_to(state.mu_sq_norm) if plans else blank
+    old_norms, mus = _resummed_norms(plans, old_norms, mus, pms)
     out, new_mu, new_nu, new_scores, new_norms = [], [], [], [], []
     for i, plan in enumerate(plans):
       layout, scale, score = plan.layout, None, None
@@ -330,11 +331,49 @@ def adam_magma(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+def _resummed_norms(plans, norms, mus, pms) -> tuple[list[Any], list[Any]]:
+  """The carried per-block ||m||^2, summed afresh from ``m`` where not finite;
+  returns ``(norms, mus)``: use these ``mus`` from here on.
+
+  A float32 sum that overflowed on the previous step (finite entries beyond about
+  ``1e19 / sqrt(block size)``) leaves the carry NaN or inf; without this the
+  recursion in ``kernels.carried_sums`` would keep it so, and the block's score
+  would stay frozen for good. One loop of zero or one step for the whole tree
+  (ordinary steps pay one test of the small per-block carries, not a branch per
+  leaf). The moments it reads pass through the loop's carry: read from outside,
+  XLA would copy them before the step overwrites their donated buffers.
+  """
+  carried = [
+    i for i, plan in enumerate(plans) if plan.layout is not None and pms[i] is None
+  ]
+  if not carried:
+    return norms, mus
+
+  def resum(carry):
+    kept, ms = carry
+    fresh = []
+    for j, i in enumerate(carried):
+      m = ms[j].astype(jnp.float32)
+      direct = plans[i].layout.block_sum(m * m)
+      fresh.append(jnp.where(jnp.isfinite(kept[j]), kept[j], direct))
+    # Through a barrier: an element the loop passes on untouched would be hoisted
+    # out of it as an invariant, and copied again.
+    return fresh, jax.lax.optimization_barrier(ms)
+
+  kept = [jnp.asarray(norms[i], jnp.float32) for i in carried]
+  lost = jnp.any(jnp.stack([~jnp.all(jnp.isfinite(n)) for n in kept]))
+  fresh, ms = _trees.run_if(lost, resum, (kept, [mus[i] for i in carried]))
+  norms, mus = list(norms), list(mus)
+  for j, i in enumerate(carried):
+    norms[i], mus[i] = fresh[j], ms[j]
+  return norms, mus
+
+
 def _score(rule, prev, count, sums) -> jax.Array:
   """Magma's new block scores from this step's sums (<m_t, g>, ||m_t||^2, ||g||^2).
 
-  Where the kernel's float32 sums overflowed (finite entries beyond about
-  ``1e19 / sqrt(block size)``) the cosine is NaN and the block keeps its score;
-  ``magma(optax.adam)`` computes the exact cosine there (``_alignment.block_sums``).
+  Where the float32 sums overflowed (finite entries beyond about ``1e19 /
+  sqrt(block size)``) or met an inf or NaN, the cosine is NaN and the block keeps
+  its score, as in ``magma(optax.adam)``.
   """
   return rule.score(prev, _alignment.cosine_from_sums(*sums), count)

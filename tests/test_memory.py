@@ -110,3 +110,32 @@ def test_update_step_needs_no_parameter_sized_scratch_in_f32():
   magma_temp = temp_bytes(magma.magma(optax.adam(1e-3)))
   # The largest leaf alone has 4 * 64 * 128 = 32 KiB; the scratch stays far below.
   assert magma_temp - adam < 4 * 64 * 128 / 4
+
+
+def test_adam_magma_donated_step_copies_no_moment():
+  # adam_magma re-sums its carried ||m||^2 after an overflowing step inside a loop
+  # of zero or one step that reads the moments; passed on untouched, XLA would copy
+  # every moment before the step overwrites its donated buffer (measured: 1.7x ->
+  # 2.6x optax.adam on a 144-leaf tree). Checked on the compiled, donated step.
+  import re
+
+  params = {"w": jnp.ones((48, 40)), "v": jnp.ones((40, 24))}
+  tx = magma.adam_magma(1e-3, granularity="row")
+
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  def step_keeping_the_old_moments(p, s, g):  # positive control: must copy them
+    u, new = tx.update(g, s, p)
+    return optax.apply_updates(p, u), new, s.mu
+
+  def moment_copies(fn):
+    lowered = jax.jit(fn, donate_argnums=(0, 1)).lower(params, tx.init(params), params)
+    hlo = lowered.compile().as_text()
+    entry = hlo[hlo.index("\nENTRY") :]
+    entry = entry[: entry.index("\n}")]
+    return re.findall(r"f32\[(?:48,40|40,24)\]\S* copy\(", entry)
+
+  assert not moment_copies(step)
+  assert len(moment_copies(step_keeping_the_old_moments)) == 2

@@ -97,3 +97,57 @@ def test_apply_if_finite_skips_the_bad_step_and_keeps_the_scores():
   ):
     np.testing.assert_array_equal(x, y)
   assert int(after["step"]) == int(before["step"])
+
+
+def _huge(shape, t):
+  """Finite gradients whose float32 block sums overflow (entries up to 1.8e19, with
+  signs and sizes varying per entry and per step), between ordinary steps. Adam's
+  own g * g stays finite (<= 3.3e38); a row's sum of them does not."""
+  rng = np.random.default_rng(t)
+  g = rng.uniform(-1.5, 1.5, size=shape) + 0.3
+  return (g * (1e19 if t in (1, 2, 4) else 1.0)).astype(np.float32)
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row"])
+def test_adam_magma_carry_recovers_after_overflowing_sums(granularity):
+  # adam_magma carries ||m||^2 per block (kernels.carried_sums). An overflowing
+  # step used to leave it NaN (tensor) or clipped to 0 (row) for good, so its scores
+  # froze or drifted away from magma(adam)'s, which sums directly every step. Now
+  # the carry is re-summed after such a step: both keep the block's score on the
+  # overflowing steps and agree on every step, and the carry is the direct norm.
+  shape, steps = (4, 8), 7
+  grads = [{"w": jnp.asarray(_huge(shape, t))} for t in range(steps)]
+  kw = dict(keep_prob=1.0, granularity=granularity)
+  runs = {
+    "magma(adam)": magma.magma(optax.adam(1e-2), **kw),
+    "adam_magma": magma.adam_magma(1e-2, **kw),
+    "adam_magma pallas": magma.adam_magma(
+      1e-2, implementation="pallas", interpret=True, **kw
+    ),
+  }
+  got = {}
+  for name, tx in runs.items():
+    params = {"w": jnp.ones(shape)}
+    state, step = tx.init(params), jax.jit(tx.update)
+    history = []
+    for g in grads:
+      u, state = step(g, state, params)
+      params = optax.apply_updates(params, u)
+      history.append((params["w"], magma.mask_stats(state)["scores"]["w"]))
+    got[name] = history, state
+  want, _ = got.pop("magma(adam)")
+  for name, (history, state) in got.items():
+    for t, ((p, s), (p_want, s_want)) in enumerate(zip(history, want, strict=True)):
+      np.testing.assert_allclose(p, p_want, rtol=1e-5, err_msg=f"{name} step {t}")
+      np.testing.assert_allclose(s, s_want, rtol=1e-5, err_msg=f"{name} step {t}")
+    mu = state.mu["w"].astype(jnp.float32)
+    direct = jnp.sum(mu * mu) if granularity == "tensor" else jnp.sum(mu * mu, -1)
+    np.testing.assert_allclose(state.mu_sq_norm["w"], direct, rtol=1e-4)
+  # The overflowing steps kept the score (a 32-entry block overflows on every huge
+  # step; some 8-entry rows do not).
+  kept = [bool(np.all(want[t][1] == want[t - 1][1])) for t in (1, 2, 4)]
+  assert (
+    all(kept)
+    if granularity == "tensor"
+    else not all(bool(np.all(want[t][1] != want[t - 1][1])) for t in (1, 2, 4))
+  )

@@ -356,7 +356,10 @@ def carried_sums(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """``(<m_t, g>, ||m_t||^2, ||g||^2)`` reading m_t and g once: two reductions.
 
-  ||m_t||^2 comes from the carried ||m_{t-1}||^2 (module docstring).
+  ||m_t||^2 comes from the carried ||m_{t-1}||^2 (module docstring). Where that
+  recursion is not finite (a float32 sum overflowed, here or in the carry) the
+  result is NaN, not a clipped ``inf - inf``: the block keeps its score, and the
+  caller re-sums the carry before the next step (``adam_magma`` does).
   """
   m = mu.astype(jnp.float32)
   g = grad.astype(jnp.float32)
@@ -364,7 +367,8 @@ def carried_sums(
   gg = layout.block_sum(g * g)
   c = 1.0 - b1
   mm = b1 * b1 * jnp.asarray(mu_sq_norm_prev, jnp.float32) + 2.0 * c * dot
-  return dot, jnp.maximum(mm - c * c * gg, 0.0), gg
+  mm = mm - c * c * gg
+  return dot, jnp.where(jnp.isfinite(mm), jnp.maximum(mm, 0.0), jnp.nan), gg
 
 
 def derived_sums(
