@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _hlo import entry_copies
 
 import magma_optax as magma
 
@@ -206,8 +207,6 @@ def test_ordinary_compact_steps_do_not_copy_the_stored_state():
   # lax.cond XLA copied both on every step (measured: 5.5x -> 2.3-2.8x dense Adam
   # at 4 M parameters, benchmarks/RESULTS.md). Checked on the compiled, donated
   # step.
-  import re
-
   params = {"w": jnp.ones((64, 48)), "b": jnp.ones(48)}
   mask = {"w": jnp.arange(64 * 48).reshape(64, 48) % 3 == 0, "b": jnp.arange(48) < 9}
   tx = magma.sparse_state(optax.adam(1e-3), mode="compact", density=0.4)
@@ -221,13 +220,8 @@ def test_ordinary_compact_steps_do_not_copy_the_stored_state():
     return optax.apply_updates(p, u), new, s.base_state, s.stored_bits
 
   def stored_copies(fn):
-    lowered = jax.jit(fn, donate_argnums=(0, 1)).lower(
-      params, tx.init(params), params, mask
-    )
-    hlo = lowered.compile().as_text()
-    entry = hlo[hlo.index("\nENTRY") :]
-    entry = entry[: entry.index("\n}")]
-    return re.findall(r"(?:f32|s32)\[(?:1229|20)\]\S* copy\(", entry)
+    args = (params, tx.init(params), params, mask)
+    return entry_copies(fn, args, r"(?:f32|s32)\[(?:1229|20)\]")
 
   assert not stored_copies(step)
   found = stored_copies(step_keeping_the_old_state)
