@@ -30,6 +30,22 @@ def is_tracer(value: Any) -> bool:
   return isinstance(value, jax.core.Tracer)
 
 
+def differentiated(tree: Any) -> bool:
+  """Whether some leaf of ``tree`` carries a tangent (``jax.grad``, ``jax.vjp``,
+  ``jax.jvp``, also under ``vmap``): by the tracer types' names, which jax does
+  not promise (``LinearizeTracer``, ``JVPTracer``; a ``BatchTracer`` is looked
+  into). For code that must pick a reverse-differentiable form."""
+
+  def tangent(x: Any) -> bool:
+    while is_tracer(x):
+      if type(x).__name__ in ("LinearizeTracer", "JVPTracer"):
+        return True
+      x = getattr(x, "val", None)  # BatchTracer wraps the traced value
+    return False
+
+  return any(tangent(x) for x in jax.tree.leaves(tree))
+
+
 @functools.cache
 def custom_partitioning():
   """``jax.experimental.custom_partitioning.custom_partitioning``."""

@@ -43,6 +43,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from magma_optax import _compat
+
 
 def is_masked(x: Any) -> bool:
   """``True`` for ``optax.MaskedNode`` (an empty slot in a group's tree)."""
@@ -188,8 +190,12 @@ def run_if(pred: jax.Array, fn: Callable[[Any], Any], operand: Any) -> Any:
   """``fn(operand)`` if ``pred`` else ``operand``, as a loop of zero or one step.
 
   A loop updates its carry in place; a ``lax.cond`` copies ``operand`` into its
-  output buffers whichever branch runs (with donated buffers: every step).
+  output buffers whichever branch runs (with donated buffers: every step). A
+  ``while_loop`` cannot be differentiated in reverse mode, so where ``operand``
+  carries a tangent (``jax.grad`` through optimizer steps) it is a ``lax.cond``.
   """
+  if _compat.differentiated(operand):
+    return jax.lax.cond(pred, fn, lambda x: x, operand)
   return jax.lax.while_loop(
     lambda c: c[0], lambda c: (jnp.asarray(False), fn(c[1])), (pred, operand)
   )[1]

@@ -26,3 +26,22 @@ def test_map_like_with_masked_subtrees_shapes_and_more_trees():
   assert same[0].mu["a"].tolist() == [0.0, 0.0]
   moved = _trees.map_like(lambda i, x: x + 1.0, group, params_def, shapes=[(2,)] * 3)
   assert moved[0].mu["a"].tolist() == [1.0, 1.0]
+
+
+def test_run_if_runs_zero_or_one_step_and_is_reverse_differentiable():
+  # A loop of zero or one step (state updated in place); under jax.grad a
+  # lax.cond, since a while_loop has no reverse mode.
+  fn = lambda x: {"a": x["a"] * 3.0}
+  x = {"a": jnp.arange(3.0)}
+  assert _trees.run_if(jnp.asarray(True), fn, x)["a"].tolist() == [0.0, 3.0, 6.0]
+  assert _trees.run_if(jnp.asarray(False), fn, x)["a"].tolist() == [0.0, 1.0, 2.0]
+
+  def loss(s, pred):
+    return jnp.sum(_trees.run_if(pred, fn, {"a": s * x["a"]})["a"])
+
+  for pred, want in ((True, 9.0), (False, 3.0)):
+    grad = jax.jit(jax.grad(loss))(jnp.asarray(1.0), jnp.asarray(pred))
+    assert float(grad) == want
+    # under vmap too
+    grads = jax.vmap(jax.grad(loss), (0, None))(jnp.ones(2), jnp.asarray(pred))
+    assert grads.tolist() == [want, want]
