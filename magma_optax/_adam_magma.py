@@ -268,7 +268,7 @@ def adam_magma(
     blank = [optax.MaskedNode()] * len(grads)
     old_scores = treedef.flatten_up_to(mask_state.scores) if plans else blank
     old_norms = treedef.flatten_up_to(state.mu_sq_norm) if plans else blank
-    old_norms, mus = _resummed_norms(plans, old_norms, mus, pms)
+    lost, now_norms, mus = _norms_after_overflow(plans, old_norms, mus, grads, pms, b1)
     out, new_mu, new_nu, new_scores, new_norms = [], [], [], [], []
     for i, plan in enumerate(plans):
       layout, scale, score = plan.layout, None, None
@@ -276,7 +276,9 @@ def adam_magma(
         # One pure function of this step's sums: the kernel calls it to scale the
         # update, and it is called again on the sums the kernel returns (the same
         # ones) for the state; XLA computes it once.
-        score = functools.partial(_score, rule, old_scores[i], count)
+        score = functools.partial(
+          _score, rule, old_scores[i], count, lost[i], now_norms[i]
+        )
         scale = lambda *sums, score=score, z=masks[i]: score(sums) * z
       res = kernels.masked_adam(
         grads[i],
@@ -296,14 +298,16 @@ def adam_magma(
         implementation=implementation,
         interpret=interpret,
         block_sizes=block_sizes,
-        mu_sq_norm_prev=None if layout is None else old_norms[i],
+        # Where the carry is lost this is now_norms' (the carry elsewhere): the
+        # state's carry buffer is then read once, by the loop.
+        mu_sq_norm_prev=now_norms[i],
       )
       if layout is None:
         new_norms.append(optax.MaskedNode())
         new_scores.append(optax.MaskedNode())
       else:
         if pms[i] is None:
-          norm = res.mu_sq_norm
+          norm = jnp.where(lost[i], now_norms[i], res.mu_sq_norm)
         else:  # the sums covered existing entries only; the carry needs all
           norm = layout.block_sum(jnp.square(res.mu.astype(jnp.float32)))
         new_norms.append(norm)
@@ -331,49 +335,64 @@ def adam_magma(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _resummed_norms(plans, norms, mus, pms) -> tuple[list[Any], list[Any]]:
-  """The carried per-block ||m||^2, summed afresh from ``m`` where not finite;
-  returns ``(norms, mus)``: use these ``mus`` from here on.
+def _norms_after_overflow(plans, norms, mus, grads, pms, b1):
+  """Per scoped leaf where the carried ``||m||^2`` is not finite (``lost``), and
+  ``||m_t||^2`` summed directly there (elsewhere the carry itself, from which the
+  kernel derives ``||m_t||^2``); returns ``(lost, norms, mus)``: use these
+  ``mus`` from here on.
 
   A float32 sum that overflowed on the previous step (finite entries beyond about
-  ``1e19 / sqrt(block size)``) leaves the carry NaN or inf; without this the
-  recursion in ``kernels.carried_sums`` would keep it so, and the block's score
-  would stay frozen for good. One loop of zero or one step for the whole tree
-  (ordinary steps pay one test of the small per-block carries, not a branch per
-  leaf). The moments it reads pass through the loop's carry: read from outside,
-  XLA would copy them before the step overwrites their donated buffers.
+  ``1e19 / sqrt(block size)``) leaves the carry NaN or inf. Deriving this step's
+  ``||m_t||^2`` from it (``kernels.carried_sums``, or from ``||m_{t-1}||^2`` on the
+  Pallas path) then fails too -- for good, with a carry -- even where ``m_t`` no
+  longer overflows, so the score would stay frozen or fall behind
+  ``magma(adam)``'s, which sums ``m_t`` directly. Here those blocks are summed
+  from ``m_t = b1 m + (1 - b1) g`` (what the step computes) in one loop of zero or
+  one step for the whole tree (ordinary steps pay one test of the small carries,
+  not a branch per leaf). The moments it reads pass through the loop's carry: read
+  from outside, XLA would copy them before the step overwrites their donated
+  buffers.
   """
-  carried = [
-    i for i, plan in enumerate(plans) if plan.layout is not None and pms[i] is None
-  ]
-  if not carried:
-    return norms, mus
+  scoped = [i for i, plan in enumerate(plans) if plan.layout is not None]
+  if not scoped:
+    return [None] * len(plans), [None] * len(plans), mus
+  kept = [jnp.asarray(norms[i], jnp.float32) for i in scoped]
+  lost = [~jnp.isfinite(n) for n in kept]
 
-  def resum(carry):
-    kept, ms = carry
-    fresh = []
-    for j, i in enumerate(carried):
-      m = ms[j].astype(jnp.float32)
-      direct = plans[i].layout.block_sum(m * m)
-      fresh.append(jnp.where(jnp.isfinite(kept[j]), kept[j], direct))
+  def direct(carry):
+    fresh, flags, ms = carry
+    out = []
+    for j, i in enumerate(scoped):
+      g = grads[i].astype(jnp.float32)
+      m = ((1 - b1) * g + b1 * ms[j].astype(jnp.float32)).astype(ms[j].dtype)
+      m = m.astype(jnp.float32)
+      if pms[i] is not None:
+        m = jnp.where(pms[i], m, 0.0)
+      out.append(jnp.where(flags[j], plans[i].layout.block_sum(m * m), fresh[j]))
     # Through a barrier: an element the loop passes on untouched would be hoisted
     # out of it as an invariant, and copied again.
-    return fresh, jax.lax.optimization_barrier(ms)
+    return out, *jax.lax.optimization_barrier((flags, ms))
 
-  kept = [jnp.asarray(norms[i], jnp.float32) for i in carried]
-  lost = jnp.any(jnp.stack([~jnp.all(jnp.isfinite(n)) for n in kept]))
-  fresh, ms = _trees.run_if(lost, resum, (kept, [mus[i] for i in carried]))
-  norms, mus = list(norms), list(mus)
-  for j, i in enumerate(carried):
-    norms[i], mus[i] = fresh[j], ms[j]
-  return norms, mus
+  # The flags pass through the loop too: computed from the carry outside it, XLA
+  # fuses the test into their later uses, which then read the carry's buffer
+  # after the loop rewrote it in place (a copy per leaf).
+  any_lost = jnp.any(jnp.stack([jnp.any(x) for x in lost]))
+  fresh, lost, ms = _trees.run_if(
+    any_lost, direct, (kept, lost, [mus[i] for i in scoped])
+  )
+  out, where, mus = [None] * len(plans), [None] * len(plans), list(mus)
+  for j, i in enumerate(scoped):
+    out[i], where[i], mus[i] = fresh[j], lost[j], ms[j]
+  return where, out, mus
 
 
-def _score(rule, prev, count, sums) -> jax.Array:
+def _score(rule, prev, count, lost, now_norm, sums) -> jax.Array:
   """Magma's new block scores from this step's sums (<m_t, g>, ||m_t||^2, ||g||^2).
 
   Where the float32 sums overflowed (finite entries beyond about ``1e19 /
   sqrt(block size)``) or met an inf or NaN, the cosine is NaN and the block keeps
   its score, as in ``magma(optax.adam)``.
   """
-  return rule.score(prev, _alignment.cosine_from_sums(*sums), count)
+  dot, mm, gg = sums
+  mm = jnp.where(lost, now_norm, mm)  # summed directly after an overflow
+  return rule.score(prev, _alignment.cosine_from_sums(dot, mm, gg), count)
