@@ -993,7 +993,7 @@ def sparse_adam(
     constants.append(float(value))
   constants = reference.AdamConstants(*constants)
   if not callable(learning_rate) and (
-    isinstance(learning_rate, bool | str)
+    isinstance(learning_rate, bool | str | list | tuple | dict)
     or learning_rate is None
     or jnp.ndim(learning_rate) != 0
     or not jnp.issubdtype(jnp.result_type(learning_rate), jnp.number)
