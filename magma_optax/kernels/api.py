@@ -359,7 +359,7 @@ def carried_sums(
   ||m_t||^2 comes from the carried ||m_{t-1}||^2 (module docstring). Where that
   recursion is not finite (a float32 sum overflowed, here or in the carry) the
   result is NaN, not a clipped ``inf - inf``: the block keeps its score, and the
-  caller re-sums the carry before the next step (``adam_magma`` does).
+  caller sums ||m_t||^2 directly on the next step (``adam_magma`` does).
   """
   m = mu.astype(jnp.float32)
   g = grad.astype(jnp.float32)
