@@ -64,6 +64,7 @@ import inspect
 from collections.abc import Callable
 from collections.abc import Iterator
 from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import Any
 from typing import ClassVar
 from typing import NamedTuple
@@ -197,11 +198,19 @@ def declared_layouts() -> Iterator[dict[tuple[str, tuple[int, ...]], set]]:
 
 def declare(plans: list[_scoping.LeafPlan]) -> None:
   """Declares the block layouts of ``plans`` to the open contexts (cheap if none)."""
+  for plan in plans:
+    if plan.layout is not None:
+      declare_axes(plan.path, plan.layout.block_shape, plan.layout.param_axes)
+
+
+def declare_axes(
+  path: str, shape: Sequence[int], param_axes: tuple[int | None, ...]
+) -> None:
+  """Declares that the state arrays of shape ``shape`` at the parameter ``path``
+  (its ``keystr``) index the parameter axes ``param_axes`` (one per array axis;
+  ``None``: an axis of no parameter axis, replicated) to the open contexts."""
   for record in _DECLARED:
-    for plan in plans:
-      if plan.layout is not None:
-        key = (plan.path, tuple(plan.layout.block_shape))
-        record.setdefault(key, set()).add(plan.layout.param_axes)
+    record.setdefault((path, tuple(shape)), set()).add(tuple(param_axes))
 
 
 # --- configuration --------------------------------------------------------------------

@@ -125,6 +125,7 @@ def periodic_mask(
   importance: _importance.Importance = "magnitude_grad",
   structure: tuple[int, int] | None = None,
   block: tuple[int, int] | None = None,
+  shards: Any = None,
   schedule: str | None = None,
   start: int = 0,
   end: int | None = None,
@@ -169,6 +170,15 @@ def periodic_mask(
       row-major order of the tile grid). Every pruned leaf needs >= 2 axes with
       the last two multiples of ``(r, c)`` (a ``ValueError`` at ``init`` names the
       leaf otherwise; scope such leaves out with ``where``). ``None``: entries.
+    shards: with ``block``, ``(sr, sc)`` (or a callable ``(path, leaf) -> (sr, sc)
+      | None``, e.g. :func:`magma_optax.sharding.tile_shards`) to balance the mask
+      over the shards of a parameter split ``sr`` ways along axis -2 and ``sc``
+      ways along axis -1: the top-k runs in each of the ``sr x sc`` parts of the
+      tile grid, which keeps ``T_p - round(s T_p)`` of its ``T_p`` tiles (the same
+      number in every part, what :func:`sparse_state`'s per-shard tile storage with
+      the same ``shards`` needs). Needs ``ranking="per_leaf"``; each part must hold
+      whole tiles (a ``ValueError`` at ``init`` names the leaf otherwise).
+      ``None``: one top-k per leaf.
     schedule: ``None``/``"constant"`` (the target is ``sparsity`` from ``start``),
       ``"linear"`` or ``"cubic"``: ramp from 0 at ``start`` to ``sparsity`` at
       ``end`` (needs a float ``sparsity`` and ``end``).
@@ -229,6 +239,12 @@ def periodic_mask(
         f"give structure (N:M groups) or block (tiles), not both; got"
         f" structure={structure!r}, block={block!r}."
       )
+  shards = _topk.validate_shards(shards, block, "periodic_mask")
+  if shards is not None and ranking != "per_leaf":
+    raise ValueError(
+      f"shards= balances each leaf's tiles over its shards, which needs"
+      f" ranking='per_leaf'; got ranking={ranking!r}."
+    )
   if structure is not None:
     structure = _topk.validate_nm_structure(structure)
     if sparsity is not None and not _schedules.is_schedule(sparsity):
@@ -253,11 +269,22 @@ def periodic_mask(
     plans, treedef = _scoping.plan_scope(tree, where=where)
     return plans, treedef
 
+  def parts_of(plans, tree):
+    """Per leaf, the ``(sr, sc)`` parts its tiles are ranked in (or ``None``)."""
+    paths_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [
+      None
+      if p.layout is None or block is None
+      else _topk.leaf_shards(shards, path, x, block, jax.tree_util.keystr(path))
+      for p, (path, x) in zip(plans, paths_leaves, strict=True)
+    ]
+
   def check_structure(plans, params):
     paths_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     for p, (path, x) in zip(plans, paths_leaves, strict=True):
       if p.layout is not None and block is not None:
         _topk.check_tiles(jnp.shape(x), block, jax.tree_util.keystr(path))
+    parts_of(plans, params)
     if structure is None:
       return
     m = structure[1]
@@ -289,7 +316,7 @@ def periodic_mask(
       inner_state=inner.init(params),
     )
 
-  def new_masks(plans, params, grads, old, target):
+  def new_masks(plans, params, grads, old, target, parts):
     # Zero-size leaves have nothing to rank: their (empty) masks stay as they are.
     idx = [
       i
@@ -307,8 +334,15 @@ def periodic_mask(
         out[i] = _topk.n_m_mask(scores[i], old[i], *structure, axis)
     elif ranking == "per_leaf":
       for i in idx:
-        k = _topk.num_keep(target, scores[i].size)
-        out[i] = _top_k_mask(scores[i], active[i], k)
+        if parts[i] is None:
+          k = _topk.num_keep(target, scores[i].size)
+          out[i] = _top_k_mask(scores[i], active[i], k)
+          continue
+        # Balanced over the shards: one top-k per part of the tile grid.
+        s, a = (_topk.split_parts(x, parts[i]) for x in (scores[i], active[i]))
+        k = _topk.num_keep(target, s[0, 0].size)
+        per_part = jax.vmap(jax.vmap(lambda s, a, k=k: _top_k_mask(s, a, k)))
+        out[i] = _topk.join_parts(per_part(s, a))
     elif idx:
       n = sum(scores[i].size for i in idx)
       keep = _top_k_masks(
@@ -329,6 +363,7 @@ def periodic_mask(
     plans, treedef = plan(updates)
     plans = _scoping.match_state(plans, state.mask, treedef)
     grads = treedef.flatten_up_to(updates)
+    parts = parts_of(plans, updates)
     param_leaves = treedef.flatten_up_to(params)
     old = treedef.flatten_up_to(state.mask)
     count = state.count
@@ -346,7 +381,7 @@ def periodic_mask(
     # nothing after it reads the old masks.
     def refresh(carry):
       old_masks, inner_state, _, _, _ = carry
-      masks = new_masks(plans, param_leaves, grads, old_masks, target)
+      masks = new_masks(plans, param_leaves, grads, old_masks, target, parts)
       regrown = [
         None if p.layout is None else masks[i] & ~old_masks[i]
         for i, p in enumerate(plans)

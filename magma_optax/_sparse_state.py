@@ -106,9 +106,23 @@ same kind of storage (one vector of tiles per leaf, global tile indices, the sam
 error under ``Explicit`` axes). Under ``AxisType.Auto`` (checked on 8 CPU devices:
 results equal one device's) XLA keeps the compact tiles replicated and all-reduces
 the active tiles of the gradient it gathers, ``density`` x the leaf, every step --
-never the whole leaf -- so the state's memory is not divided across devices. Tiles
-that do not cross shards would allow a per-shard capacity (sharded storage); this
-storage does not have it yet.
+never the whole leaf -- so the state's memory is not divided across devices.
+**Per-shard tile storage** (``shards=(sr, sc)``, or per leaf through a callable such
+as :func:`magma_optax.sharding.tile_shards`) divides it: the leaf's last two axes are
+split into ``sr x sc`` equal parts of whole tiles (a device's shard when the
+parameter is sharded that way) and each part is tile storage of its own,
+``ceil(density * T_p)`` slots for its ``T_p`` tiles, stored as ``(sr, sc, capacity,
+r, c)`` with the bits as ``(sr, sc, bytes)``. Indices are local to a part and every
+gather, scatter and remap is ``vmap``-ed over the parts, so XLA keeps each part on
+its device; ``init`` declares the parts' axes, and
+:func:`magma_optax.sharding.state_shardings` shards the buffers like the parameter
+(checked on 8 CPU devices with ``AxisType.Auto``: only scalars and a few packed mask
+bytes are all-reduced, results equal one device's). A part's capacity is its own, so
+the mask must be balanced over the parts: ``periodic_mask(..., block=(r, c),
+shards=...)`` with the same ``shards`` keeps as many tiles in every part; a part with
+more active tiles than its capacity is a capacity overflow naming it. Axes before the
+last two are not split (a leaf sharded along them has parts that span devices).
+Explicit axes are refused as for tile storage.
 """
 
 from __future__ import annotations
@@ -659,6 +673,8 @@ class _Tiles(_Storage):
     self.num_tiles = self.view[0] * self.view[2]
     self.capacity = capacity
     self.limit = limit  # how the capacity was set, for the overflow message
+    self.unit = f"leaf {name}"  # what holds the tiles, for the messages
+    self.hint = ""  # appended to the overflow message
 
   @property
   def stored_shape(self):
@@ -672,12 +688,12 @@ class _Tiles(_Storage):
 
   def _overflow(self, active: int) -> str:
     return (
-      f"sparse_state compact capacity overflow: leaf {self.name} ({self.num_tiles}"
+      f"sparse_state compact capacity overflow: {self.unit} ({self.num_tiles}"
       f" tiles of {self.block[0]}x{self.block[1]}) has {active} active tiles in its"
       f" parameter mask, more than its compact storage holds: capacity"
       f" {self.limit} = {self.capacity}. Raise `density` to at least"
       f" {active / self.num_tiles:.4g} (the densest mask of the run: under a"
-      " sparsity ramp, the early masks), or use mode='skip'."
+      f" sparsity ramp, the early masks), or use mode='skip'.{self.hint}"
     )
 
   def _problem(self, differ: int, active: int) -> str:
@@ -685,7 +701,7 @@ class _Tiles(_Storage):
       return self._overflow(active)
     r, c = self.block
     return (
-      f"sparse_state: the parameter mask of leaf {self.name} is not made of whole"
+      f"sparse_state: the parameter mask of {self.unit} is not made of whole"
       f" {r}x{c} tiles (block={self.block}): some entries differ from the first"
       f" entry of their tile. Build it with periodic_mask(..., block=({r}, {c})),"
       " give sparse_state the same block, or use mode='skip'."
@@ -693,6 +709,15 @@ class _Tiles(_Storage):
 
   def prepare(self, mask, bits, grad):
     _reject_explicit(grad, mask, "compact tile storage", "tiles")
+    idx, new_bits, changed, differ, n_active = self.tile_set(mask, bits)
+    check = _Check(
+      differ | (n_active > self.capacity), self._problem, (differ, n_active)
+    )
+    return idx, new_bits, changed, check
+
+  def tile_set(self, mask, bits):
+    """The active tiles' sorted indices, the new bits, whether the stored set
+    changed, whether the mask is not made of whole tiles, and the active count."""
     m4 = mask.reshape(self.view).astype(jnp.uint8)
     # One pass over the mask: every entry must equal its tile's first entry. A max
     # of uint8 xors: on XLA:CPU 2.5x faster than any() of a boolean comparison,
@@ -700,11 +725,8 @@ class _Tiles(_Storage):
     differ = jnp.max(m4 ^ m4[:, :1, :, :1], initial=0) > 0
     flat = m4[:, 0, :, 0].reshape(-1) > 0
     idx, n_active = _active_indices(flat, self.capacity)
-    check = _Check(
-      differ | (n_active > self.capacity), self._problem, (differ, n_active)
-    )
     new_bits = jnp.packbits(flat)
-    return idx, new_bits, jnp.any(new_bits != bits), check
+    return idx, new_bits, jnp.any(new_bits != bits), differ, n_active
 
   def remap(self, ctx, x, bits):
     old_tiles = jnp.unpackbits(bits, count=self.num_tiles).astype(jnp.bool_)
@@ -727,9 +749,84 @@ class _Tiles(_Storage):
     return jnp.swapaxes(full, 1, 2).reshape(self.shape)
 
 
-class _OffloadTiles(_Tiles):
-  """Compact tile storage whose buffers may live in host memory while the leaf is
-  cold (no active tile for ``offload_after`` steps), as :class:`_Offload`.
+class _ShardedTiles(_Storage):
+  """Compact tile storage per shard: ``(sr, sc, capacity, r, c)``.
+
+  The leaf's last two axes are split into ``sr x sc`` equal parts
+  (:func:`magma_optax._topk.split_parts`: a device's shard of a parameter sharded
+  ``sr`` ways along axis -2 and ``sc`` ways along axis -1), and each part is a
+  :class:`_Tiles` of its own (``part``) with ``capacity`` slots: every method is
+  the part's, ``vmap``-ed over the parts. So the indices are local to a part and
+  the gathers and scatters are batched over the parts: where the parameter is
+  sharded that way, every device gathers, updates and scatters its own tiles --
+  the state is sharded like the parameter and no tile crosses devices.
+  """
+
+  scoped = True
+  needs_mask = True
+
+  def __init__(self, shape, name, block, parts, capacity: int, limit):
+    super().__init__(shape, name)
+    sr, sc = parts
+    part_shape = (*self.shape[:-2], self.shape[-2] // sr, self.shape[-1] // sc)
+    self.part = _Tiles(part_shape, name, block, capacity, limit)
+    self.part.unit = f"a {sr}x{sc} shard part of leaf {name}"
+    self.part.hint = (
+      f" A mask with the same number of tiles in every part comes from"
+      f" periodic_mask(..., block={block}, shards={tuple(parts)})."
+    )
+    self.parts = parts
+    self.block = block
+    self.capacity = capacity
+
+  @property
+  def stored_shape(self):
+    return (*self.parts, *self.part.stored_shape)
+
+  def init_leaf(self, x):
+    return jnp.zeros(self.stored_shape, x.dtype)
+
+  def init_bits(self):
+    return jnp.zeros((*self.parts, *self.part.init_bits().shape), jnp.uint8)
+
+  def param_axes(self, ndim: int) -> tuple[int | None, ...]:
+    """The parameter axes that the stored arrays' leading axes index (the parts),
+    for :func:`magma_optax.sharding.state_shardings`."""
+    return (ndim - 2, ndim - 1)
+
+  def prepare(self, mask, bits, grad):
+    _reject_explicit(grad, mask, "compact tile storage", "tiles")
+    per_part = jax.vmap(jax.vmap(self.part.tile_set))
+    idx, new_bits, changed, differ, n_active = per_part(
+      _topk.split_parts(mask, self.parts), bits
+    )
+    differ, n_active = jnp.any(differ), jnp.max(n_active)
+    check = _Check(
+      differ | (n_active > self.capacity), self.part._problem, (differ, n_active)
+    )
+    return idx, new_bits, jnp.any(changed), check
+
+  def remap(self, ctx, x, bits):
+    return jax.vmap(jax.vmap(self.part.remap))(ctx, x, bits)
+
+  def gather(self, ctx, x):
+    per_part = jax.vmap(jax.vmap(self.part.gather))
+    return per_part(ctx, _topk.split_parts(x, self.parts))
+
+  def stored_mask(self, ctx, mask):
+    del mask
+    return jax.vmap(jax.vmap(lambda c: self.part.stored_mask(c, None)))(ctx)
+
+  def scatter(self, ctx, mask, u):
+    del mask
+    per_part = jax.vmap(jax.vmap(lambda c, v: self.part.scatter(c, None, v)))
+    return _topk.join_parts(per_part(ctx, u))
+
+
+class _HostTiles:
+  """Tile storage whose buffers may live in host memory while the leaf is cold (no
+  active tile for ``offload_after`` steps), as :class:`_Offload` (a mixin over
+  :class:`_Tiles` and :class:`_ShardedTiles`).
 
   Inactive tiles hold no moments in compact storage (regrown tiles start from
   zero), so the unit that can go to host memory is a leaf's whole tile buffer."""
@@ -745,6 +842,14 @@ class _OffloadTiles(_Tiles):
       return super().remap(ctx, x, bits)
     moved = super().remap(ctx, jax.device_put(x, _SPACE.Device), bits)
     return jax.device_put(moved, _SPACE.Host)
+
+
+class _OffloadTiles(_HostTiles, _Tiles):
+  """:class:`_Tiles` with offload (:class:`_HostTiles`)."""
+
+
+class _OffloadShardedTiles(_HostTiles, _ShardedTiles):
+  """:class:`_ShardedTiles` with offload (:class:`_HostTiles`)."""
 
 
 class _Grouped(_Storage):
@@ -809,6 +914,7 @@ def sparse_state(
   structure: tuple[int, int] | None = None,
   axis: int = -1,
   block: tuple[int, int] | None = None,
+  shards: Any = None,
   density_threshold: float = DEFAULT_DENSITY_THRESHOLD,
   offload_after: int = 100,
   where: _scoping.Where = None,
@@ -850,6 +956,17 @@ def sparse_state(
       scope others out with ``where``). A mask that is not made of whole tiles,
       or has more active tiles than the capacity, is an error (raised as for
       capacity overflows).
+    shards: with ``block``, ``(sr, sc)`` (or a callable ``(path, leaf) -> (sr, sc)
+      | None``, e.g. :func:`magma_optax.sharding.tile_shards`): per-shard tile
+      storage for a parameter sharded ``sr`` ways along axis -2 and ``sc`` ways
+      along axis -1. Each of the ``sr x sc`` parts of the leaf keeps
+      ``ceil(density * T_p)`` slots for its ``T_p`` tiles, stored as ``(sr, sc,
+      capacity, r, c)``: the indices are local to a part and the gathers and
+      scatters are batched over the parts, so a device reads and writes its own
+      tiles only and :func:`magma_optax.sharding.state_shardings` shards the
+      storage like the parameter. A part with more active tiles than its capacity
+      is a capacity overflow: use the same ``shards`` in ``periodic_mask``, which
+      then keeps as many tiles in every part. ``None``: one storage per leaf.
     density_threshold: leaves with capacity above this fraction of their size use
       skip storage (default 0.6).
     offload_after: K >= 1, steps of an all-inactive mask after which a leaf is cold
@@ -917,6 +1034,7 @@ def sparse_adam(
   structure: tuple[int, int] | None = None,
   axis: int = -1,
   block: tuple[int, int] | None = None,
+  shards: Any = None,
   density_threshold: float = DEFAULT_DENSITY_THRESHOLD,
   offload_after: int = 100,
   where: _scoping.Where = None,
@@ -957,7 +1075,8 @@ def sparse_adam(
       ``static_args=magma.sparse_adam.static_args`` -- these and the storage's
       numbers -- to inject the learning rate).
     mode: ``"skip"``, ``"compact"`` or ``"offload"``, as in :func:`sparse_state`.
-    density, structure, axis, block: the storage, as in :func:`sparse_state`.
+    density, structure, axis, block, shards: the storage, as in
+      :func:`sparse_state`.
     density_threshold, offload_after, where, cache_index: as in
       :func:`sparse_state`.
     implementation: for tile storage, ``"xla"`` (the default), ``"pallas"``, or a
@@ -1034,12 +1153,20 @@ def sparse_adam(
     new_mu, new_nu, updates = [], [], []
     leaves = zip(storages, ctx, stored_masks, flat_g, mus, nus, strict=True)
     for s, c, mask, g, m, v in leaves:
-      if isinstance(s, _Tiles):
-        out = tiles.tile_adam(
-          g, m, v, c, count=count, learning_rate=lr, b1=constants.b1,
-          b2=constants.b2, eps=constants.eps, eps_root=constants.eps_root,
-          implementation=implementation, interpret=interpret,
-        )  # fmt: skip
+      if isinstance(s, _Tiles | _ShardedTiles):
+
+        def tile_step(g, m, v, c):
+          return tiles.tile_adam(
+            g, m, v, c, count=count, learning_rate=lr, b1=constants.b1,
+            b2=constants.b2, eps=constants.eps, eps_root=constants.eps_root,
+            implementation=implementation, interpret=interpret,
+          )  # fmt: skip
+
+        if isinstance(s, _ShardedTiles):  # one step per part, batched over them
+          g = _topk.split_parts(g, s.parts)
+          out = jax.vmap(jax.vmap(tile_step))(g, m, v, c)
+        else:
+          out = tile_step(g, m, v, c)
       else:
         g = s.gather(c, g)
         frozen = isinstance(s, _Skip) and not _trees.is_masked(mask)
@@ -1073,7 +1200,7 @@ def sparse_adam(
 # What optax.inject_hyperparams must leave static (numbers that shape the step).
 sparse_adam.static_args = (
   "b1", "b2", "eps", "eps_root", "density", "density_threshold", "offload_after",
-  "axis", "cache_index",
+  "axis", "cache_index", "shards",
 )  # fmt: skip
 
 
@@ -1084,6 +1211,7 @@ def _planner(
   structure,
   axis,
   block,
+  shards,
   density_threshold,
   offload_after,
   where,
@@ -1112,6 +1240,7 @@ def _planner(
         f" structure; got"
         f" mode={mode!r}, density={density!r}, structure={structure!r}."
       )
+  shards = _topk.validate_shards(shards, block, "sparse_state")
   if mode == "compact" and density is None and structure is None:
     raise ValueError(
       "mode='compact' needs density= (the largest active fraction per leaf, in"
@@ -1160,12 +1289,17 @@ def _planner(
     size = math.prod(shape)
     if size > 0 and block is not None:
       _topk.check_tiles(shape, block, name)
-      tiles = _Tiles(shape, name, block, 1, "").num_tiles
+      parts = _topk.leaf_shards(shards, path, x, block, name)
+      tiles = _Tiles(shape, name, block, 1, "").num_tiles // math.prod(parts or (1,))
       cap = _capacity(tiles, density, None)
       if cap <= density_threshold * tiles:
-        limit = f"ceil(density * tiles) = ceil({density} * {tiles})"
-        tile_storage = _OffloadTiles if mode == "offload" else _Tiles
-        return tile_storage(shape, name, block, cap, limit)
+        if parts is None:
+          limit = f"ceil(density * tiles) = ceil({density} * {tiles})"
+          tile_storage = _OffloadTiles if mode == "offload" else _Tiles
+          return tile_storage(shape, name, block, cap, limit)
+        limit = f"ceil(density * tiles per part) = ceil({density} * {tiles})"
+        tile_storage = _OffloadShardedTiles if mode == "offload" else _ShardedTiles
+        return tile_storage(shape, name, block, parts, cap, limit)
     elif mode == "compact" and size > 0:
       groups = None if structure is None else groups_of(shape)
       cap = _capacity(size, density, structure)
@@ -1229,6 +1363,11 @@ def _transformation(base, storages_of, offload_after, step, frozen=False):
     storages, treedef = storages_of(params)
     flat = treedef.flatten_up_to(params)
     stored = [s.init_leaf(x) for s, x in zip(storages, flat, strict=True)]
+    for s, x in zip(storages, flat, strict=True):
+      if isinstance(s, _ShardedTiles):  # the parts are the parameter's shards
+        axes = s.param_axes(jnp.ndim(x))
+        _engine.declare_axes(s.name, s.stored_shape, (*axes, None, None, None))
+        _engine.declare_axes(s.name, s.init_bits().shape, (*axes, None))
     steps = [
       jnp.zeros([], jnp.int32) if s.tracks_cold else optax.MaskedNode()
       for s in storages

@@ -430,3 +430,74 @@ def untile(tile_mask: jax.Array, block: tuple[int, int]) -> jax.Array:
   *lead, rows, cols = tile_mask.shape
   full = jnp.broadcast_to(tile_mask[..., :, None, :, None], (*lead, rows, r, cols, c))
   return full.reshape(*lead, rows * r, cols * c)
+
+
+def validate_shards(shards: Any, block: tuple[int, int] | None, who: str) -> Any:
+  """Checks ``shards``: ``None``, ``(sr, sc)`` ints >= 1, or a callable ``(path,
+  leaf) -> (sr, sc) | None`` (checked per leaf by :func:`leaf_shards`)."""
+  if shards is None or callable(shards):
+    pass
+  else:
+    shards = _shard_counts(shards, f"{who}: shards")
+  if shards is not None and block is None:
+    raise ValueError(
+      f"{who}: shards= splits the tile grid of block=(r, c); give block too."
+    )
+  return shards
+
+
+def _shard_counts(value: Any, what: str) -> tuple[int, int]:
+  ok = (
+    isinstance(value, tuple | list)
+    and len(value) == 2
+    and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value)
+  )
+  if not ok:
+    raise ValueError(
+      f"{what} must be (sr, sc) ints >= 1 (the number of equal parts of the last"
+      f" two axes); got {value!r}."
+    )
+  return tuple(value)
+
+
+def leaf_shards(
+  shards: Any, path: Any, leaf: Any, block: tuple[int, int], name: str
+) -> tuple[int, int] | None:
+  """A leaf's ``(sr, sc)`` parts of its tile grid, or ``None`` for one part.
+
+  Each part must hold whole tiles: the last two axes are multiples of ``sr * r``
+  and ``sc * c`` (a ``ValueError`` naming the leaf otherwise).
+  """
+  if shards is None:
+    return None
+  parts = shards(path, leaf) if callable(shards) else shards
+  if parts is None:
+    return None
+  sr, sc = _shard_counts(parts, f"shards for leaf {name}")
+  shape = tuple(jnp.shape(leaf))
+  r, c = block
+  if len(shape) < 2 or shape[-2] % (sr * r) or shape[-1] % (sc * c):
+    raise ValueError(
+      f"shards={parts} splits the last two axes of leaf {name} (shape {shape}) into"
+      f" {sr} x {sc} parts of whole {r}x{c} tiles, so they must be multiples of"
+      f" ({sr * r}, {sc * c})."
+    )
+  return None if (sr, sc) == (1, 1) else (sr, sc)
+
+
+def split_parts(x: jax.Array, parts: tuple[int, int]) -> jax.Array:
+  """``(..., A, B) -> (sr, sc, ..., A / sr, B / sc)``: part ``(a, b)`` is the ``a``-th
+  of ``sr`` equal pieces of axis -2 and the ``b``-th of axis -1 (a device's shard
+  of a parameter split that way)."""
+  sr, sc = parts
+  *lead, a, b = x.shape
+  n = len(lead)
+  x = x.reshape(*lead, sr, a // sr, sc, b // sc)
+  return jnp.moveaxis(x, (n, n + 2), (0, 1))
+
+
+def join_parts(x: jax.Array) -> jax.Array:
+  """The inverse of :func:`split_parts`."""
+  sr, sc, *lead, a, b = x.shape
+  n = len(lead)
+  return jnp.moveaxis(x, (0, 1), (n, n + 2)).reshape(*lead, sr * a, sc * b)

@@ -11,6 +11,9 @@ compact storage (``sparse_state(mode="compact", structure=(n, m))``, per group, 
 its state keeps the parameter's partition spec when every shard holds whole groups).
 Unstructured ``"compact"`` storage keeps one flat vector of active entries per leaf,
 which XLA gathers (use ``"skip"`` or an N:M structure on sharded parameters).
+Compact *tile* storage is kept per shard with ``shards=`` (:func:`tile_shards` reads
+it from the parameters' shardings): each device then gathers, updates and scatters
+its own tiles, and the tile buffers are sharded like the parameters.
 What users need from this module is the *layout of the state*:
 
 * :func:`state_shardings` -- the shardings of ``tx.init(params)``: a state leaf with a
@@ -55,6 +58,7 @@ magma.sharding.init(...)``).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -67,7 +71,7 @@ from magma_optax import _blocks
 from magma_optax import _engine
 from magma_optax import _trees
 
-__all__ = ("abstract_state", "block_cosine", "init", "state_shardings")
+__all__ = ("abstract_state", "block_cosine", "init", "state_shardings", "tile_shards")
 
 
 def _find_mesh(shardings: list[Any]) -> jax.sharding.Mesh | None:
@@ -101,7 +105,7 @@ def _block_spec(
   """
   if declared is not None and len(declared) == 1:
     (axes,) = declared
-    return tuple(spec[a] for a in axes)
+    return tuple(None if a is None else spec[a] for a in axes)
   if declared is None and len(leaf_shape) == len(param_shape):
     return spec
   return None
@@ -301,6 +305,74 @@ def abstract_state(
     abstract,
     shardings,
   )
+
+
+def tile_shards(params: Any) -> Callable[[Any, Any], tuple[int, int] | None]:
+  """The ``shards=`` that follows the parameters' shardings, for tile masks and
+  per-shard tile storage.
+
+  For :func:`magma_optax.periodic_mask`, :func:`magma_optax.sparse_state` and
+  :func:`magma_optax.sparse_adam` with ``block=(r, c)``: a leaf whose
+  ``NamedSharding`` splits axis -2 ``sr`` ways and axis -1 ``sc`` ways gets ``(sr,
+  sc)``, so its mask keeps as many tiles in every shard and its tile storage is
+  kept per shard, sharded like the parameter. Leaves of fewer than two axes, or
+  whose last two axes are not split, get ``None`` (one part). Axes before the last
+  two are not followed: a leaf split along them has parts that span devices (still
+  correct, with the gathers across devices of unsharded tile storage).
+
+  Args:
+    params: the parameter tree the optimizer is applied to (the same paths):
+      ``jax.Array`` s or ``jax.ShapeDtypeStruct`` s with a ``sharding``, or the
+      shardings themselves.
+
+  Returns:
+    A function ``(path, leaf) -> (sr, sc) | None`` that looks the leaf up by its
+    key path (a ``ValueError`` for a path that ``params`` does not have).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import magma_optax as magma
+    >>> mesh = jax.make_mesh((1,), ("x",))
+    >>> sharding = jax.sharding.NamedSharding(mesh, jax.P(None, "x"))
+    >>> params = {"w": jax.device_put(jnp.ones((8, 8)), sharding)}
+    >>> shards = magma.sharding.tile_shards(params)
+    >>> shards(jax.tree_util.tree_flatten_with_path(params)[0][0][0], None)
+    (1, 1)
+  """
+  table = {}
+  for path, x in jax.tree_util.tree_flatten_with_path(
+    params, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
+  )[0]:
+    sharding = (
+      x if isinstance(x, jax.sharding.Sharding) else getattr(x, "sharding", None)
+    )
+    if sharding is None:
+      raise ValueError(
+        "tile_shards needs parameters that carry a sharding (jax.Array, or"
+        f" jax.ShapeDtypeStruct with sharding=...), or shardings; got a leaf {x!r}."
+      )
+    shape = getattr(x, "shape", None)
+    spec = tuple(sharding.spec) if isinstance(sharding, NamedSharding) else ()
+    ndim = len(shape) if shape is not None else len(spec)
+    if ndim < 2 or not isinstance(sharding, NamedSharding):
+      table[jax.tree_util.keystr(path)] = None
+      continue
+    spec = spec + (None,) * (ndim - len(spec))
+    table[jax.tree_util.keystr(path)] = tuple(
+      _axis_size(sharding.mesh, e) for e in spec[-2:]
+    )
+
+  def shards(path: Any, leaf: Any) -> tuple[int, int] | None:
+    del leaf
+    name = jax.tree_util.keystr(path)
+    if name not in table:
+      raise ValueError(
+        f"tile_shards has no parameter at path {name}; build it from the tree the"
+        f" optimizer is applied to (it has {sorted(table)[:8]})."
+      )
+    return table[name]
+
+  return shards
 
 
 def block_cosine(

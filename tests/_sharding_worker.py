@@ -148,6 +148,49 @@ def sparse_transforms():
   return cases
 
 
+MESH_AXES = {"x": 2, "y": 4}  # the ("x", "y") mesh of the 8-device runs
+
+
+def square_parts(path, leaf):
+  """``shards=`` for SQUARE: a leaf's shard counts along its last two axes (what
+  magma.sharding.tile_shards reads from the sharded parameters: report "tile_shards").
+  """
+  del leaf
+  spec = SQUARE[path[-1].key][1]
+  return tuple(1 if e is None else MESH_AXES[e] for e in spec)
+
+
+def tile_transforms():
+  """Per-shard compact tile storage (shards=): every device keeps its own tiles."""
+  if "shards" not in inspect.signature(magma.sparse_state).parameters:
+    return {}
+  kwargs = dict(mode="compact", density=0.5, block=(4, 4), shards=square_parts)
+
+  def masked(inner):
+    return magma.periodic_mask(
+      inner, sparsity=0.5, every=2, block=(4, 4), shards=square_parts
+    )
+
+  return {
+    "sharded_tiles_sparse_adam": (masked(magma.sparse_adam(0.1, **kwargs)), SQUARE),
+    "sharded_tiles_sparse_state": (
+      masked(magma.sparse_state(optax.adam(0.1), **kwargs)),
+      SQUARE,
+    ),
+  }
+
+
+def tile_shards_report(mesh):
+  """magma.sharding.tile_shards of SQUARE's sharded parameters, by leaf name."""
+  params = {
+    n: jax.device_put(jnp.zeros(shape), NamedSharding(mesh, spec))
+    for n, (shape, spec) in SQUARE.items()
+  }
+  shards = magma.sharding.tile_shards(params)
+  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+  return {path[-1].key: list(shards(path, x)) for path, x in leaves}
+
+
 def flat_compact_error(mesh):
   """The error of unstructured compact storage on an Explicit-axis mesh (or None)."""
   tx = magma.sparse_state(optax.adam(0.1), mode="compact", density=0.5)
@@ -512,6 +555,10 @@ def main(out_dir):
   if sparse_transforms():
     report["sparse"] = sharded_run("sparse", sparse_transforms(), auto, out_dir)
     lap("sparse")
+  if tile_transforms():
+    report["tiles"] = sharded_run("tiles", tile_transforms(), auto, out_dir)
+    report["tile_shards"] = tile_shards_report(auto)
+    lap("tiles")
   report["gathering_control"] = gathering_control(auto)
   report["compile_counter_control"] = compile_counter_control()
   report["mlp"] = data_model_parallel(auto, out_dir)
@@ -535,7 +582,11 @@ def main(out_dir):
 def main_reference(out_dir):
   """The same runs on one device: the reference the tests compare against."""
   assert jax.device_count() == 1, jax.devices()
-  for name, cases in (("core", core_transforms()), ("sparse", sparse_transforms())):
+  for name, cases in (
+    ("core", core_transforms()),
+    ("sparse", sparse_transforms()),
+    ("tiles", tile_transforms()),
+  ):
     if not cases:
       continue
     params, state, masks, _, _ = run(cases)

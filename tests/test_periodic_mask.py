@@ -617,6 +617,68 @@ def test_tile_masks_match_numpy(ranking):
   assert step._cache_size() == 1
 
 
+def np_parts(x, parts):
+  sr, sc = parts
+  *lead, a, b = x.shape
+  n = len(lead)
+  return np.moveaxis(x.reshape(*lead, sr, a // sr, sc, b // sc), (n, n + 2), (0, 1))
+
+
+def np_join(x):
+  sr, sc, *lead, a, b = x.shape
+  n = len(lead)
+  return np.moveaxis(x, (0, 1), (n, n + 2)).reshape(*lead, sr * a, sc * b)
+
+
+def test_tile_masks_balanced_over_shards_match_numpy():
+  block = (2, 4)
+  shapes = [(8, 16), (3, 4, 16)]
+  parts_of = {"p0": (2, 2), "p1": (1, 4)}  # a callable, as tile_shards gives
+  schedule = lambda count: jnp.asarray([0.5, 0.25, 0.75])[jnp.minimum(count // 2, 2)]
+  tx = magma.periodic_mask(
+    optax.sgd(0.1), sparsity=schedule, every=2, block=block,
+    shards=lambda path, leaf: parts_of[path[-1].key],
+  )  # fmt: skip
+  params = random_tree(8, shapes)
+  state, step = tx.init(params), jax.jit(tx.update)
+  balanced_differently = False
+  for t in range(6):
+    grads = random_tree(500 + t, shapes)
+    old = {k: np.asarray(v) for k, v in state.mask.items()}
+    updates, state = step(grads, state, params)
+    for k, parts in parts_of.items():
+      score = np.abs(np.asarray(params[k])) * np.abs(np.asarray(grads[k]))
+      tiles = np_parts(np_tile_sums(score, block), parts)
+      active = np_parts(np_tile_sums(old[k], block) > 0, parts)
+      if t % 2:
+        want = old[k]
+      else:
+        keep = np.empty(tiles.shape, bool)
+        for a, b in np.ndindex(*parts):
+          keep[a, b] = np_keep(tiles[a, b], active[a, b], float(schedule(t)))
+        want = np_untile(np_join(keep), block)
+        one_top_k = np_untile(
+          np_keep(np_join(tiles), np_join(active), float(schedule(t))), block
+        )
+        balanced_differently |= not np.array_equal(want, one_top_k)
+      np.testing.assert_array_equal(np.asarray(state.mask[k]), want, err_msg=k)
+    params = optax.apply_updates(params, updates)
+  assert balanced_differently  # the per-part top-k is not the leaf's top-k here
+  assert step._cache_size() == 1
+  with pytest.raises(ValueError, match="ranking='per_leaf'"):
+    magma.periodic_mask(
+      optax.sgd(0.1), sparsity=0.5, every=1, block=block, shards=(2, 1),
+      ranking="global",
+    )  # fmt: skip
+  with pytest.raises(ValueError, match="give block too"):
+    magma.periodic_mask(optax.sgd(0.1), sparsity=0.5, every=1, shards=(2, 1))
+  tx = magma.periodic_mask(
+    optax.sgd(0.1), sparsity=0.5, every=1, block=block, shards=(3, 1)
+  )
+  with pytest.raises(ValueError, match=r"leaf \['p0'\] .* multiples of \(6, 4\)"):
+    tx.init(params)
+
+
 def test_tile_ties_keep_active_then_low_tile_index():
   params = {"w": jnp.ones((4, 4))}
   tx = magma.periodic_mask(

@@ -48,7 +48,7 @@ def assert_trees_match(got: dict, want: dict):
       np.testing.assert_array_equal(a, b, err_msg=k)
 
 
-@pytest.mark.parametrize("run", ["core", "explicit", "sparse"])
+@pytest.mark.parametrize("run", ["core", "explicit", "sparse", "tiles"])
 def test_sharded_equals_unsharded(report, run):
   if run not in report:
     pytest.skip("the package has no periodic_mask/sparse_state")
@@ -154,6 +154,36 @@ def test_n_m_compact_state_keeps_parameter_shardings(report):
   assert checked == 3 * 4  # mu, nu and bits of 4 leaves
 
 
+def test_per_shard_tile_storage_stays_on_its_devices(report):
+  # shards= (periodic_mask's balanced masks, sparse_adam's / sparse_state's tile
+  # storage per shard): no tile crosses devices -- only scalars (the capacity
+  # check, whether a stored set changed) and a few packed mask bytes of the mask
+  # statistics, fewer than the 16 entries of one 4x4 tile -- where the unsharded
+  # tile storage of the "sparse" run all-reduces its gathered tiles, 2 or more per
+  # leaf (the positive control: the same parser sees those).
+  if "tiles" not in report:
+    pytest.skip("the package has no per-shard tile storage")
+  ops = report["tiles"]["collectives"]
+  assert ops and all(n < 16 for _, n in ops), ops
+  unsharded = [n for op, n in report["sparse"]["collectives"] if op == "all-reduce"]
+  assert max(unsharded) >= 2 * 16, unsharded
+  # The tile buffers (sr, sc, capacity, 4, 4) and their bits (sr, sc, bytes) are
+  # sharded like the parameter's last two axes.
+  r = report["tiles"]
+  assert r["state_matches_helper"]
+  checked = 0
+  for path, leaf in r["state"].items():
+    if not any(f".{field}[" in path for field in ("mu", "nu", "stored_bits")):
+      continue
+    case, name = path.split("'")[1], path.split("'")[-2]
+    spec = r["params"][f"['{case}']['{name}']"]["spec"]
+    assert leaf["spec"][:2] == spec and set(leaf["spec"][2:]) == {"None"}, path
+    checked += 1
+  assert checked == 2 * 3 * 3  # 2 cases, mu, nu and bits of 3 leaves
+  # magma.sharding.tile_shards reads the same parts from the sharded parameters.
+  assert report["tile_shards"] == {"rows": [2, 1], "cols": [1, 4], "both": [2, 4]}
+
+
 def test_flat_compact_storage_rejects_explicit_axes_clearly(report):
   if "explicit_flat_compact" not in report:
     pytest.skip("the package has no periodic_mask/sparse_state")
@@ -162,7 +192,7 @@ def test_flat_compact_storage_rejects_explicit_axes_clearly(report):
   assert "structure=(n, m)" in message
 
 
-@pytest.mark.parametrize("run", ["core", "explicit", "sparse", "mlp"])
+@pytest.mark.parametrize("run", ["core", "explicit", "sparse", "tiles", "mlp"])
 def test_compiles_once(report, run):
   if run not in report:
     pytest.skip("the package has no periodic_mask/sparse_state")

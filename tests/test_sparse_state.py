@@ -694,6 +694,119 @@ def test_tile_bad_block_raises():
   assert state.base_state[0].mu["b"].shape == (8,)
 
 
+def np_parts(x, parts):
+  """numpy split_parts: (..., A, B) -> (sr, sc, ..., A / sr, B / sc)."""
+  sr, sc = parts
+  *lead, a, b = x.shape
+  n = len(lead)
+  return np.moveaxis(x.reshape(*lead, sr, a // sr, sc, b // sc), (n, n + 2), (0, 1))
+
+
+@pytest.mark.parametrize(
+  "factory, mode",
+  [
+    ("sparse_state", "compact"),
+    ("sparse_state", "offload"),
+    ("sparse_adam", "compact"),
+  ],
+)
+def test_sharded_tiles_match_numpy_per_part(factory, mode):
+  shape, block, parts = (2, 8, 16), (2, 4), (2, 2)
+  r, c = block
+  rng = np.random.default_rng(3)
+  masks = tile_masks(rng, shape[:-2], (shape[-2] // r, shape[-1] // c), block, 6, 0.4)
+  per_part = [np_parts(m, parts)[:, :, :, ::r, ::c] for m in masks]  # tiles
+  tiles_per_part = per_part[0][0, 0].size
+  density = max(t[a, b].sum() for t in per_part for a in range(2) for b in range(2))
+  density /= tiles_per_part
+  kw = dict(mode=mode, density=density, block=block, shards=parts)
+  kw["density_threshold"] = 1.0  # the densest part may hold most of its tiles
+  if factory == "sparse_adam":
+    tx = magma.sparse_adam(LR, b1=B1, b2=B2, eps=EPS, **kw)
+  else:
+    tx = magma.sparse_state(optax.adam(LR, b1=B1, b2=B2, eps=EPS), **kw)
+  params = {"w": jnp.zeros(shape)}
+  state = tx.init(params)
+  cap = math.ceil(density * tiles_per_part)
+  assert state.base_state[0].mu["w"].shape == (*parts, cap, r, c)
+  step = jax.jit(tx.update)
+  grads = [rng.normal(size=shape).astype(np.float32) for _ in masks]
+  for (u_ref, mu_ref, nu_ref), g, m in zip(
+    np_tile_adam(grads, masks), grads, masks, strict=True
+  ):
+    u, state = step({"w": g}, state, params, param_mask={"w": m})
+    state = magma.offload_sparse_state(state, params)
+    np.testing.assert_allclose(np.asarray(u["w"]), u_ref, rtol=2e-5, atol=1e-7)
+    # Each part stores its own active tiles in tile order, then empty slots.
+    for name, ref in (("mu", mu_ref), ("nu", nu_ref)):
+      got = np.asarray(getattr(state.base_state[0], name)["w"])
+      ref_parts, mask_parts = np_parts(ref, parts), np_parts(m, parts)
+      for a in range(2):
+        for b in range(2):
+          t = lambda x: x.reshape(-1, r, x.shape[-1] // c, c).swapaxes(1, 2)
+          tiles, active = t(ref_parts[a, b]), t(mask_parts[a, b])[:, :, 0, 0]
+          tiles, active = tiles.reshape(-1, r, c), active.reshape(-1)
+          n = int(active.sum())
+          np.testing.assert_allclose(got[a, b, :n], tiles[active], rtol=1e-5, atol=1e-8)
+          assert np.all(got[a, b, n:] == 0)
+  assert step._cache_size() == 1
+
+
+def test_sharded_tiles_overflow_names_the_part_and_balanced_masks_fit():
+  params = {"w": jnp.ones((8, 8))}
+  tx = magma.sparse_state(
+    optax.adam(LR), mode="compact", density=0.25, block=(2, 2), shards=(2, 2)
+  )
+  state = tx.init(params)  # 4 parts of 4 tiles: 1 slot each
+  # 2 tiles in part (0, 0) -- the whole leaf has 2 of 16, well under 0.25.
+  two = {"w": jnp.zeros((8, 8), bool).at[:2, :4].set(True)}
+  match = r"a 2x2 shard part of leaf \['w'\] \(4 tiles of 2x2\) has 2 active .*"
+  match += r"shards=\(2, 2\)"
+  with pytest.raises(ValueError, match=match):
+    tx.update(params, state, params, param_mask=two)
+  with pytest.raises(Exception, match=match):
+    jax.block_until_ready(jax.jit(tx.update)(params, state, params, param_mask=two))
+  # Control: one tile in every part fits.
+  one_each = np.zeros((8, 8), bool)
+  for a, b in ((0, 0), (0, 6), (6, 0), (4, 4)):
+    one_each[a : a + 2, b : b + 2] = True
+  u, _ = jax.jit(tx.update)(params, state, params, param_mask={"w": one_each})
+  assert int(jnp.sum(u["w"] != 0)) == 16
+  # periodic_mask with the same shards keeps as many tiles in every part, so the
+  # storage never overflows (without shards its top-k may put them anywhere).
+  tx = magma.periodic_mask(tx, sparsity=0.75, every=1, block=(2, 2), shards=(2, 2))
+  state, step = tx.init(params), jax.jit(tx.update)
+  for t in range(3):
+    g = {"w": jax.random.normal(jax.random.key(t), (8, 8))}
+    _, state = step(g, state, params)
+    kept = np_parts(np.asarray(state.mask["w"]), (2, 2)).sum(axis=(2, 3))
+    np.testing.assert_array_equal(kept, np.full((2, 2), 4))  # 1 tile of 4 entries
+
+
+def test_shards_arguments_are_checked():
+  adam = optax.adam(LR)
+  kw = dict(mode="compact", density=0.5)
+  with pytest.raises(ValueError, match="give block too"):
+    magma.sparse_state(adam, shards=(2, 1), **kw)
+  with pytest.raises(ValueError, match="give block too"):
+    magma.sparse_adam(LR, shards=(2, 1), **kw)
+  for bad in ((0, 1), (2,), (2.0, 1), (True, 1), "x"):
+    with pytest.raises(ValueError, match="shards must be"):
+      magma.sparse_state(adam, block=(2, 2), shards=bad, **kw)
+  params = {"w": jnp.ones((4, 8))}
+  with pytest.raises(ValueError, match=r"leaf \['w'\] .* multiples of \(8, 2\)"):
+    magma.sparse_state(adam, block=(2, 2), shards=(4, 1), **kw).init(params)
+  bad = lambda path, leaf: (3, "x")
+  with pytest.raises(ValueError, match=r"shards for leaf \['w'\] must be"):
+    magma.sparse_state(adam, block=(2, 2), shards=bad, **kw).init(params)
+  # A callable may give one part (None or (1, 1)): the leaf's plain tile storage.
+  for one in (None, (1, 1)):
+    tx = magma.sparse_state(adam, block=(2, 2), shards=lambda p, x, o=one: o, **kw)
+    assert tx.init(params).base_state[0].mu["w"].shape == (4, 2, 2)
+  tx = magma.sparse_state(adam, block=(2, 2), shards=lambda p, x: (2, 2), **kw)
+  assert tx.init(params).base_state[0].mu["w"].shape == (2, 2, 1, 2, 2)
+
+
 @pytest.mark.skipif(
   not magma.host_offload_available(), reason="no pinned_host memory kind"
 )
