@@ -14,6 +14,7 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 JAX_VERSION: tuple[int, ...] = tuple(
   int(part) for part in jax.__version__.split(".")[:3] if part.isdigit()
@@ -102,3 +103,73 @@ def triton_compiler_params(num_warps: int) -> Any:
   from jax.experimental.pallas import triton as plgpu
 
   return plgpu.CompilerParams(num_warps=num_warps)
+
+
+def explicit_spec(x: Any) -> tuple[Any, ...] | None:
+  """``x``'s partition spec (one entry per axis) if it is sharded over ``Explicit``
+  mesh axes (sharding in types), else ``None``."""
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  types = getattr(mesh, "axis_types", ())
+  if not any(t == jax.sharding.AxisType.Explicit for t in types):
+    return None
+  spec = tuple(sharding.spec) + (None,) * (jnp.ndim(x) - len(sharding.spec))
+  return spec if any(e is not None for e in spec) else None
+
+
+def reshape(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """``x.reshape(shape)``, also where ``x`` is sharded over ``Explicit`` mesh axes.
+
+  There JAX asks for the output sharding of a reshape that splits or merges a
+  sharded axis. For reshapes made of splits and merges of neighbouring axes: a split
+  axis's mesh axes go to its major piece (which must hold them evenly), and merged
+  axes keep their major axis's, when the axes after it are unsharded -- the same
+  blocks of entries on every device, no data moves. Anything else is left to JAX
+  (which then raises its error).
+  """
+  shape = tuple(shape)
+  spec = explicit_spec(x)
+  if spec is None:
+    return x.reshape(shape)
+  out: list[Any] = []
+  i = j = 0
+  src, dst = tuple(x.shape), shape
+  while i < len(src) or j < len(dst):
+    i0, j0 = i, j
+    p_in = src[i] if i < len(src) else 1
+    p_out = dst[j] if j < len(dst) else 1
+    i, j = i + 1, j + 1
+    while p_in != p_out:
+      if p_in < p_out:
+        p_in, i = p_in * src[i], i + 1
+      else:
+        p_out, j = p_out * dst[j], j + 1
+    sharded = [k for k in range(i0, min(i, len(src))) if spec[k] is not None]
+    group = [None] * (min(j, len(dst)) - j0)
+    if sharded:
+      k = sharded[0]
+      majors = [d for d in range(j0, min(j, len(dst))) if dst[d] > 1]
+      if len(sharded) > 1 or any(src[m] > 1 for m in range(i0, k)) or not majors:
+        return x.reshape(shape)  # not a plain split or merge: JAX decides
+      group[majors[0] - j0] = spec[k]
+    out.extend(group)
+  return jax.lax.reshape(x, shape, out_sharding=jax.sharding.PartitionSpec(*out))
+
+
+def like_auto(fn: Any, like: jax.Array, *args: Any, axes: int | None = None) -> Any:
+  """``fn(*args)``; where ``like`` is sharded over ``Explicit`` mesh axes, with those
+  axes treated as ``Auto`` inside ``fn`` (``jax.sharding.auto_axes``) and every
+  output sharded like the first ``axes`` axes of ``like`` (``None``: all of them).
+
+  Under ``Explicit`` axes, a ``vmap`` over axes sharded that way fails in JAX 0.10
+  and 0.12 for a function with a ``lax.while_loop`` ("Resource axis ... is not found
+  in mesh: ()") or with a reshape of the other axes; with the axes as ``Auto``, XLA
+  partitions the batch as it does on ``Auto`` meshes. Arrays that ``fn`` uses must
+  come in through ``args`` (a captured array keeps its ``Explicit`` type, which JAX
+  refuses to mix).
+  """
+  spec = explicit_spec(like)
+  if spec is None:
+    return fn(*args)
+  out = jax.sharding.PartitionSpec(*spec[:axes])
+  return jax.sharding.auto_axes(fn, out_sharding=out)(*args)

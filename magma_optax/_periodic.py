@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from magma_optax import _compat
 from magma_optax import _importance
 from magma_optax import _schedules
 from magma_optax import _scoping
@@ -340,9 +341,11 @@ def periodic_mask(
           continue
         # Balanced over the shards: one top-k per part of the tile grid.
         s, a = (_topk.split_parts(x, parts[i]) for x in (scores[i], active[i]))
-        k = _topk.num_keep(target, s[0, 0].size)
-        per_part = jax.vmap(jax.vmap(lambda s, a, k=k: _top_k_mask(s, a, k)))
-        out[i] = _topk.join_parts(per_part(s, a))
+        k = _topk.num_keep(target, math.prod(s.shape[2:]))
+        # k is an argument, not a constant: under Explicit mesh axes like_auto
+        # runs the top-k with them as Auto, and k must come in through it.
+        per_part = jax.vmap(jax.vmap(_top_k_mask, (0, 0, None)), (0, 0, None))
+        out[i] = _topk.join_parts(_compat.like_auto(per_part, s, s, a, k))
     elif idx:
       n = sum(scores[i].size for i in idx)
       keep = _top_k_masks(

@@ -122,7 +122,12 @@ the mask must be balanced over the parts: ``periodic_mask(..., block=(r, c),
 shards=...)`` with the same ``shards`` keeps as many tiles in every part; a part with
 more active tiles than its capacity is a capacity overflow naming it. Axes before the
 last two are not split (a leaf sharded along them has parts that span devices).
-Explicit axes are refused as for tile storage.
+Unlike the other index-addressed storages it also runs on ``Explicit`` axes (results
+equal one device's, checked on 8 CPU devices): the per-part work runs with the mesh
+axes as ``Auto`` (``jax.sharding.auto_axes``) and its outputs are sharded like the
+parts; a leaf whose sharding would put a part on several devices (sharded along a
+leading axis, or into a number of pieces that does not divide the parts) is a
+``ValueError`` that says so.
 """
 
 from __future__ import annotations
@@ -784,21 +789,65 @@ class _ShardedTiles(_Storage):
     return (*self.parts, *self.part.stored_shape)
 
   def init_leaf(self, x):
-    return jnp.zeros(self.stored_shape, x.dtype)
+    return self.place(jnp.zeros(self.stored_shape, x.dtype), x)
 
   def init_bits(self):
     return jnp.zeros((*self.parts, *self.part.init_bits().shape), jnp.uint8)
+
+  def place(self, stored, x):
+    """``stored`` with its parts sharded like ``x``'s last two axes, where ``x`` is
+    sharded over ``Explicit`` mesh axes (elsewhere unchanged): the state then has
+    the types the step gives it."""
+    spec = _compat.explicit_spec(x)
+    if spec is None:
+      return stored
+    return jax.sharding.reshard(stored, jax.sharding.PartitionSpec(*spec[-2:]))
 
   def param_axes(self, ndim: int) -> tuple[int | None, ...]:
     """The parameter axes that the stored arrays' leading axes index (the parts),
     for :func:`magma_optax.sharding.state_shardings`."""
     return (ndim - 2, ndim - 1)
 
+  def _check_explicit(self, x):
+    """Under ``Explicit`` mesh axes every part must lie on one device."""
+    spec = _compat.explicit_spec(x)
+    if spec is None:
+      return
+    mesh = jax.typeof(x).sharding.mesh
+
+    def size(entry):
+      names = entry if isinstance(entry, tuple) else (entry,)
+      return math.prod(1 if n is None else mesh.shape[n] for n in names)
+
+    counts = tuple(size(e) for e in spec[-2:])
+    if any(e is not None for e in spec[:-2]) or any(
+      p % n for p, n in zip(self.parts, counts, strict=True)
+    ):
+      raise ValueError(
+        f"sparse_state: per-shard tile storage splits leaf {self.name} into"
+        f" shards={self.parts} parts of its last two axes, but the leaf is sharded"
+        f" over Explicit mesh axes as {jax.sharding.PartitionSpec(*spec)}: every"
+        " part must lie on one device, so shard only the last two axes, into"
+        " numbers of pieces that divide the parts (shards="
+        "magma.sharding.tile_shards(params) gives them)."
+      )
+
+  def per_part(self, fn, *args, in_axes=0, order=None):
+    """``vmap(vmap(fn))(*args)`` over the parts (the leading ``(sr, sc)`` axes);
+    under ``Explicit`` mesh axes with them as ``Auto`` inside
+    (:func:`magma_optax._compat.like_auto`), the outputs sharded like the parts
+    of ``args[0]``. ``order``: ``fn`` takes ``args`` in that order."""
+    if order is not None:
+      inner = fn
+      fn = lambda *a: inner(*(a[i] for i in order))  # noqa: E731
+    batched = jax.vmap(jax.vmap(fn, in_axes), in_axes)
+    return _compat.like_auto(batched, args[0], *args, axes=2)
+
   def prepare(self, mask, bits, grad):
-    _reject_explicit(grad, mask, "compact tile storage", "tiles")
-    per_part = jax.vmap(jax.vmap(self.part.tile_set))
-    idx, new_bits, changed, differ, n_active = per_part(
-      _topk.split_parts(mask, self.parts), bits
+    self._check_explicit(grad)
+    self._check_explicit(mask)
+    idx, new_bits, changed, differ, n_active = self.per_part(
+      self.part.tile_set, _topk.split_parts(mask, self.parts), bits
     )
     differ, n_active = jnp.any(differ), jnp.max(n_active)
     check = _Check(
@@ -807,20 +856,20 @@ class _ShardedTiles(_Storage):
     return idx, new_bits, jnp.any(changed), check
 
   def remap(self, ctx, x, bits):
-    return jax.vmap(jax.vmap(self.part.remap))(ctx, x, bits)
+    # Sharded like the state it rewrites (the loop's carry keeps its type).
+    return self.per_part(self.part.remap, x, ctx, bits, order=(1, 0, 2))
 
   def gather(self, ctx, x):
-    per_part = jax.vmap(jax.vmap(self.part.gather))
-    return per_part(ctx, _topk.split_parts(x, self.parts))
+    return self.per_part(self.part.gather, ctx, _topk.split_parts(x, self.parts))
 
   def stored_mask(self, ctx, mask):
     del mask
-    return jax.vmap(jax.vmap(lambda c: self.part.stored_mask(c, None)))(ctx)
+    return self.per_part(lambda c: self.part.stored_mask(c, None), ctx)
 
   def scatter(self, ctx, mask, u):
     del mask
-    per_part = jax.vmap(jax.vmap(lambda c, v: self.part.scatter(c, None, v)))
-    return _topk.join_parts(per_part(ctx, u))
+    scattered = self.per_part(lambda c, v: self.part.scatter(c, None, v), ctx, u)
+    return _topk.join_parts(scattered)
 
 
 class _HostTiles:
@@ -1155,7 +1204,7 @@ def sparse_adam(
     for s, c, mask, g, m, v in leaves:
       if isinstance(s, _Tiles | _ShardedTiles):
 
-        def tile_step(g, m, v, c):
+        def tile_step(g, m, v, c, count, lr):
           return tiles.tile_adam(
             g, m, v, c, count=count, learning_rate=lr, b1=constants.b1,
             b2=constants.b2, eps=constants.eps, eps_root=constants.eps_root,
@@ -1164,9 +1213,10 @@ def sparse_adam(
 
         if isinstance(s, _ShardedTiles):  # one step per part, batched over them
           g = _topk.split_parts(g, s.parts)
-          out = jax.vmap(jax.vmap(tile_step))(g, m, v, c)
+          axes = (0, 0, 0, 0, None, None)
+          out = s.per_part(tile_step, g, m, v, c, count, lr, in_axes=axes)
         else:
-          out = tile_step(g, m, v, c)
+          out = tile_step(g, m, v, c, count, lr)
       else:
         g = s.gather(c, g)
         frozen = isinstance(s, _Skip) and not _trees.is_masked(mask)
@@ -1374,7 +1424,12 @@ def _transformation(base, storages_of, offload_after, step, frozen=False):
     ]
     return SparseState(
       base_state=base.init(treedef.unflatten(stored)),
-      stored_bits=treedef.unflatten([s.init_bits() for s in storages]),
+      stored_bits=treedef.unflatten(
+        [
+          s.place(s.init_bits(), x) if isinstance(s, _ShardedTiles) else s.init_bits()
+          for s, x in zip(storages, flat, strict=True)
+        ]
+      ),
       inactive_steps=treedef.unflatten(steps),
       cold=treedef.unflatten(
         [s if _trees.is_masked(s) else s >= offload_after for s in steps]

@@ -39,6 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from magma_optax import _compat
+
 
 def _ordered_key(score: jax.Array) -> jax.Array:
   """uint32 keys with the float order of ``score`` (no NaN; -0.0 made +0.0 before)."""
@@ -410,7 +412,7 @@ def check_tiles(shape: tuple[int, ...], block: tuple[int, int], name: str) -> No
 def _tiled(x: jax.Array, block: tuple[int, int]) -> jax.Array:
   r, c = block
   *lead, rows, cols = x.shape
-  return x.reshape(*lead, rows // r, r, cols // c, c)
+  return _compat.reshape(x, (*lead, rows // r, r, cols // c, c))
 
 
 def tile_sum(score: jax.Array, block: tuple[int, int]) -> jax.Array:
@@ -429,7 +431,7 @@ def untile(tile_mask: jax.Array, block: tuple[int, int]) -> jax.Array:
   r, c = block
   *lead, rows, cols = tile_mask.shape
   full = jnp.broadcast_to(tile_mask[..., :, None, :, None], (*lead, rows, r, cols, c))
-  return full.reshape(*lead, rows * r, cols * c)
+  return _compat.reshape(full, (*lead, rows * r, cols * c))
 
 
 def validate_shards(shards: Any, block: tuple[int, int] | None, who: str) -> Any:
@@ -492,7 +494,7 @@ def split_parts(x: jax.Array, parts: tuple[int, int]) -> jax.Array:
   sr, sc = parts
   *lead, a, b = x.shape
   n = len(lead)
-  x = x.reshape(*lead, sr, a // sr, sc, b // sc)
+  x = _compat.reshape(x, (*lead, sr, a // sr, sc, b // sc))
   return jnp.moveaxis(x, (n, n + 2), (0, 1))
 
 
@@ -500,4 +502,4 @@ def join_parts(x: jax.Array) -> jax.Array:
   """The inverse of :func:`split_parts`."""
   sr, sc, *lead, a, b = x.shape
   n = len(lead)
-  return jnp.moveaxis(x, (0, 1), (n, n + 2)).reshape(*lead, sr * a, sc * b)
+  return _compat.reshape(jnp.moveaxis(x, (0, 1), (n, n + 2)), (*lead, sr * a, sc * b))

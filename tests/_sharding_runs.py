@@ -88,7 +88,8 @@ def reference(name: str) -> dict[str, np.ndarray]:
   if name == "explicit":  # a subset of the core and sparse cases: filter those runs
     keep = tuple(f"['{case}']" for case in worker.EXPLICIT_CASES)
     sparse = reference("sparse") if worker.sparse_transforms() else {}
-    both = {**reference("core"), **sparse}
+    tiles = reference("tiles") if worker.tile_transforms() else {}
+    both = {**reference("core"), **sparse, **tiles}
     return {k: v for k, v in both.items() if any(c in k for c in keep)}
   _, out_dir = sharded_results()
   with np.load(os.path.join(out_dir, f"ref_{name}.npz")) as data:

@@ -97,6 +97,8 @@ EXPLICIT_CASES = (
   "magma_adam_row",
   "skip_update_sgd_element",
   "periodic_mask_sparse_state_nm_compact",
+  "periodic_mask_tiles",  # tile sums: reshapes of sharded axes (_compat.reshape)
+  "sharded_tiles_sparse_adam",
 )
 
 
@@ -569,7 +571,7 @@ def main(out_dir):
   # JAX; the same transforms must work there too.
   explicit = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
   with jax.set_mesh(explicit):
-    every = {**core_transforms(), **sparse_transforms()}
+    every = {**core_transforms(), **sparse_transforms(), **tile_transforms()}
     cases = {k: v for k, v in every.items() if k in EXPLICIT_CASES}
     report["explicit"] = sharded_run("explicit", cases, explicit, out_dir)
     if sparse_transforms():

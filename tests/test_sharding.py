@@ -168,18 +168,21 @@ def test_per_shard_tile_storage_stays_on_its_devices(report):
   unsharded = [n for op, n in report["sparse"]["collectives"] if op == "all-reduce"]
   assert max(unsharded) >= 2 * 16, unsharded
   # The tile buffers (sr, sc, capacity, 4, 4) and their bits (sr, sc, bytes) are
-  # sharded like the parameter's last two axes.
-  r = report["tiles"]
-  assert r["state_matches_helper"]
-  checked = 0
-  for path, leaf in r["state"].items():
-    if not any(f".{field}[" in path for field in ("mu", "nu", "stored_bits")):
-      continue
-    case, name = path.split("'")[1], path.split("'")[-2]
-    spec = r["params"][f"['{case}']['{name}']"]["spec"]
-    assert leaf["spec"][:2] == spec and set(leaf["spec"][2:]) == {"None"}, path
-    checked += 1
-  assert checked == 2 * 3 * 3  # 2 cases, mu, nu and bits of 3 leaves
+  # sharded like the parameter's last two axes, on Auto and on Explicit axes.
+  for run, cases in (("tiles", 2), ("explicit", 1)):
+    r = report[run]
+    assert r["state_matches_helper"]
+    checked = 0
+    for path, leaf in r["state"].items():
+      if "sharded_tiles" not in path or not any(
+        f".{field}[" in path for field in ("mu", "nu", "stored_bits")
+      ):
+        continue
+      case, name = path.split("'")[1], path.split("'")[-2]
+      spec = r["params"][f"['{case}']['{name}']"]["spec"]
+      assert leaf["spec"][:2] == spec and set(leaf["spec"][2:]) == {"None"}, path
+      checked += 1
+    assert checked == cases * 3 * 3  # per case mu, nu and bits of 3 leaves
   # magma.sharding.tile_shards reads the same parts from the sharded parameters.
   assert report["tile_shards"] == {"rows": [2, 1], "cols": [1, 4], "both": [2, 4]}
 

@@ -9,6 +9,9 @@ import numpy as np
 import optax
 import pytest
 from _hlo import entry_copies
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import magma_optax as magma
 
@@ -781,6 +784,30 @@ def test_sharded_tiles_overflow_names_the_part_and_balanced_masks_fit():
     _, state = step(g, state, params)
     kept = np_parts(np.asarray(state.mask["w"]), (2, 2)).sum(axis=(2, 3))
     np.testing.assert_array_equal(kept, np.full((2, 2), 4))  # 1 tile of 4 entries
+
+
+def test_sharded_tiles_need_each_part_on_one_device_under_explicit_axes():
+  # On a (1, 1) mesh of Explicit axes: a leaf sharded along a leading axis has parts
+  # that would span devices (a clear error); along its last two axes it runs.
+  mesh = jax.make_mesh((1, 1), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
+  tx = magma.sparse_state(
+    optax.adam(LR), mode="compact", density=0.5, block=(2, 2), shards=(2, 2)
+  )
+  mask = jnp.zeros((2, 8, 8), bool).at[:, :2, :2].set(True)
+  mask = mask.at[:, 4:6, 4:6].set(True).at[:, :2, 4:6].set(True)
+  mask = mask.at[:, 4:6, :2].set(True)
+  with jax.set_mesh(mesh):
+    for spec, ok in ((P(None, "x", "y"), True), (P("x", None, None), False)):
+      sharding = NamedSharding(mesh, spec)
+      params = {"w": jax.device_put(jnp.ones((2, 8, 8)), sharding)}
+      m = {"w": jax.device_put(mask, sharding)}
+      step = jax.jit(lambda p, s, m: tx.update(p, s, p, param_mask=m))
+      if ok:
+        u, _ = step(params, tx.init(params), m)
+        assert int(jnp.sum(u["w"] != 0)) == int(mask.sum())
+      else:
+        with pytest.raises(ValueError, match="every part must lie on one device"):
+          step(params, tx.init(params), m)
 
 
 def test_shards_arguments_are_checked():
