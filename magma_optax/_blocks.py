@@ -33,6 +33,8 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from magma_optax import _compat
+
 Granularity = str | tuple[int, ...]
 
 NAMED_GRANULARITIES = ("tensor", "row", "column", "element")
@@ -118,22 +120,23 @@ class BlockLayout:
 
   def block_sum(self, x: jax.Array) -> jax.Array:
     """Sums a leaf-shaped array within each block; returns ``block_shape``."""
-    return jnp.sum(x.reshape(self.expanded_shape), axis=self.reduce_axes)
+    return jnp.sum(self._expand(x), axis=self.reduce_axes)
 
   def block_max_abs(self, x: jax.Array) -> jax.Array:
     """Largest ``|x|`` within each block (0 for empty blocks); ``block_shape``."""
-    return jnp.max(
-      jnp.abs(x).reshape(self.expanded_shape), axis=self.reduce_axes, initial=0
-    )
+    return jnp.max(self._expand(jnp.abs(x)), axis=self.reduce_axes, initial=0)
 
   def to_leaf(self, values: jax.Array) -> jax.Array:
     """Broadcasts per-block values back to the leaf's shape."""
     keep = tuple(
       1 if i in self.reduce_axes else d for i, d in enumerate(self.expanded_shape)
     )
-    return jnp.broadcast_to(values.reshape(keep), self.expanded_shape).reshape(
-      self.shape
-    )
+    expanded = jnp.broadcast_to(_compat.reshape(values, keep), self.expanded_shape)
+    return _compat.reshape(expanded, self.shape)
+
+  def _expand(self, x: jax.Array) -> jax.Array:
+    # Also where x is sharded over Explicit mesh axes (_compat.reshape).
+    return _compat.reshape(x, self.expanded_shape)
 
 
 def block_layout(

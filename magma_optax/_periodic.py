@@ -48,6 +48,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from magma_optax import _compat
@@ -177,9 +178,12 @@ def periodic_mask(
       ways along axis -1: the top-k runs in each of the ``sr x sc`` parts of the
       tile grid, which keeps ``T_p - round(s T_p)`` of its ``T_p`` tiles (the same
       number in every part, what :func:`sparse_state`'s per-shard tile storage with
-      the same ``shards`` needs). Needs ``ranking="per_leaf"``; each part must hold
-      whole tiles (a ``ValueError`` at ``init`` names the leaf otherwise).
-      ``None``: one top-k per leaf.
+      the same ``shards`` needs). The target is rounded per part, so the kept
+      fraction moves in steps of ``1 / T_p``; a float ``sparsity`` that keeps no
+      tile of a part where the leaf's one top-k would keep some is a
+      ``ValueError`` at ``init`` (a whole layer pruned). Needs
+      ``ranking="per_leaf"``; each part must hold whole tiles (a ``ValueError`` at
+      ``init`` names the leaf otherwise). ``None``: one top-k per leaf.
     schedule: ``None``/``"constant"`` (the target is ``sparsity`` from ``start``),
       ``"linear"`` or ``"cubic"``: ramp from 0 at ``start`` to ``sparsity`` at
       ``end`` (needs a float ``sparsity`` and ``end``).
@@ -263,6 +267,7 @@ def periodic_mask(
   if sparsity is None:
     raise ValueError("sparsity is required (a float in [0, 1) or a schedule).")
   sparsity = _sparsity.check_sparsity("sparsity", sparsity)
+  final = None if _schedules.is_schedule(sparsity) else float(sparsity)
   sparsity = _sparsity.ramp(schedule, sparsity, start=start, end=end)
   inner = optax.with_extra_args_support(inner)
 
@@ -271,11 +276,12 @@ def periodic_mask(
     return plans, treedef
 
   def parts_of(plans, tree):
-    """Per leaf, the ``(sr, sc)`` parts its tiles are ranked in (or ``None``)."""
+    """Per leaf, the ``(sr, sc)`` parts its tiles are ranked in (or ``None``; also
+    for zero-size leaves, which have nothing to rank)."""
     paths_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     return [
       None
-      if p.layout is None or block is None
+      if p.layout is None or block is None or math.prod(jnp.shape(x)) == 0
       else _topk.leaf_shards(shards, path, x, block, jax.tree_util.keystr(path))
       for p, (path, x) in zip(plans, paths_leaves, strict=True)
     ]
@@ -285,7 +291,9 @@ def periodic_mask(
     for p, (path, x) in zip(plans, paths_leaves, strict=True):
       if p.layout is not None and block is not None:
         _topk.check_tiles(jnp.shape(x), block, jax.tree_util.keystr(path))
-    parts_of(plans, params)
+    for parts, (path, x) in zip(parts_of(plans, params), paths_leaves, strict=True):
+      if parts is not None and final is not None:
+        check_parts_keep(parts, jnp.shape(x), jax.tree_util.keystr(path))
     if structure is None:
       return
     m = structure[1]
@@ -299,6 +307,24 @@ def periodic_mask(
           f" multiple of {m}; leaf {p.index} has shape {shape}. Scope it out with"
           " `where` or choose another axis."
         )
+
+  def check_parts_keep(parts, shape, name):
+    # The top-k of a part rounds the target on its T_p tiles: where that keeps no
+    # tile while the leaf's top-k would keep some, the layer would be pruned whole.
+    tiles = math.prod(shape[:-2]) * (shape[-2] // block[0]) * (shape[-1] // block[1])
+    per_part = tiles // math.prod(parts)
+
+    def keep(n):
+      return n - min(n, int(np.round(np.float32(final) * np.float32(n))))
+
+    if keep(per_part) == 0 < keep(tiles):
+      raise ValueError(
+        f"periodic_mask: shards={parts} splits the {tiles} tiles of leaf {name} into"
+        f" parts of {per_part}, and sparsity={final} keeps none of a part's"
+        f" (round(s * {per_part}) pruned in each), so the whole leaf would be"
+        f" pruned where one top-k would keep {keep(tiles)} tiles. Use fewer shards,"
+        " smaller tiles or a lower sparsity, or scope the leaf out with `where`."
+      )
 
   def init_fn(params):
     plans, treedef = plan(params)

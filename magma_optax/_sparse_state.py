@@ -139,6 +139,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from magma_optax import _compat
@@ -419,7 +420,9 @@ def _raise_any(checks: list[_Check]) -> jax.Array | None:
       if bad:
         raise ValueError(check.describe(*(int(v) for v in values[at : at + n])))
       at += n
-    return jnp.zeros([], jnp.int32)  # not reached: the cond calls it on failure
+    # Reached only under jax.vmap, where the cond runs both branches (one call
+    # per batch element): nothing failed in this one.
+    return np.zeros((), np.int32)
 
   bads = jnp.stack([jnp.asarray(c.bad) for c in checks])
   values = [v for c in checks for v in c.values]
@@ -427,7 +430,7 @@ def _raise_any(checks: list[_Check]) -> jax.Array | None:
     out = jax.ShapeDtypeStruct((), jnp.int32)
     return jax.lax.cond(
       jnp.any(bads),
-      lambda: jax.pure_callback(fail, out, bads, *values),
+      lambda: jax.pure_callback(fail, out, bads, *values, vmap_method="sequential"),
       lambda: jnp.zeros([], jnp.int32),
     )
   if bool(jnp.any(bads)):
@@ -691,9 +694,9 @@ class _Tiles(_Storage):
   def init_bits(self):
     return jnp.zeros(((self.num_tiles + 7) // 8,), jnp.uint8)
 
-  def _overflow(self, active: int) -> str:
+  def _overflow(self, active: int, unit: str | None = None) -> str:
     return (
-      f"sparse_state compact capacity overflow: {self.unit} ({self.num_tiles}"
+      f"sparse_state compact capacity overflow: {unit or self.unit} ({self.num_tiles}"
       f" tiles of {self.block[0]}x{self.block[1]}) has {active} active tiles in its"
       f" parameter mask, more than its compact storage holds: capacity"
       f" {self.limit} = {self.capacity}. Raise `density` to at least"
@@ -701,12 +704,12 @@ class _Tiles(_Storage):
       f" sparsity ramp, the early masks), or use mode='skip'.{self.hint}"
     )
 
-  def _problem(self, differ: int, active: int) -> str:
+  def _problem(self, differ: int, active: int, unit: str | None = None) -> str:
     if not differ:
-      return self._overflow(active)
+      return self._overflow(active, unit)
     r, c = self.block
     return (
-      f"sparse_state: the parameter mask of {self.unit} is not made of whole"
+      f"sparse_state: the parameter mask of {unit or self.unit} is not made of whole"
       f" {r}x{c} tiles (block={self.block}): some entries differ from the first"
       f" entry of their tile. Build it with periodic_mask(..., block=({r}, {c})),"
       " give sparse_state the same block, or use mode='skip'."
@@ -775,7 +778,6 @@ class _ShardedTiles(_Storage):
     sr, sc = parts
     part_shape = (*self.shape[:-2], self.shape[-2] // sr, self.shape[-1] // sc)
     self.part = _Tiles(part_shape, name, block, capacity, limit)
-    self.part.unit = f"a {sr}x{sc} shard part of leaf {name}"
     self.part.hint = (
       f" A mask with the same number of tiles in every part comes from"
       f" periodic_mask(..., block={block}, shards={tuple(parts)})."
@@ -849,11 +851,20 @@ class _ShardedTiles(_Storage):
     idx, new_bits, changed, differ, n_active = self.per_part(
       self.part.tile_set, _topk.split_parts(mask, self.parts), bits
     )
+    # The part the error names: the first one not made of whole tiles, else the
+    # fullest one.
+    worst = jnp.where(jnp.any(differ), jnp.argmax(differ), jnp.argmax(n_active))
+    a, b = worst // self.parts[1], worst % self.parts[1]
     differ, n_active = jnp.any(differ), jnp.max(n_active)
     check = _Check(
-      differ | (n_active > self.capacity), self.part._problem, (differ, n_active)
+      differ | (n_active > self.capacity), self._problem, (differ, n_active, a, b)
     )
     return idx, new_bits, jnp.any(changed), check
+
+  def _problem(self, differ: int, active: int, a: int, b: int) -> str:
+    sr, sc = self.parts
+    unit = f"part ({a}, {b}) of the {sr}x{sc} shard parts of leaf {self.name}"
+    return self.part._problem(differ, active, unit)
 
   def remap(self, ctx, x, bits):
     # Sharded like the state it rewrites (the loop's carry keeps its type).
@@ -1014,8 +1025,10 @@ def sparse_state(
       scatters are batched over the parts, so a device reads and writes its own
       tiles only and :func:`magma_optax.sharding.state_shardings` shards the
       storage like the parameter. A part with more active tiles than its capacity
-      is a capacity overflow: use the same ``shards`` in ``periodic_mask``, which
-      then keeps as many tiles in every part. ``None``: one storage per leaf.
+      is a capacity overflow naming the part: use the same ``shards`` in
+      ``periodic_mask``, which then keeps as many tiles in every part.
+      ``density_threshold`` compares a part's capacity with its tiles. ``None``:
+      one storage per leaf.
     density_threshold: leaves with capacity above this fraction of their size use
       skip storage (default 0.6).
     offload_after: K >= 1, steps of an all-inactive mask after which a leaf is cold
@@ -1461,7 +1474,31 @@ def _transformation(base, storages_of, offload_after, step, frozen=False):
       out.append(m.astype(jnp.bool_))
     return out
 
+  def check_state(state, updates):
+    """A state whose stored shapes are not this storage's (built with other
+    arguments, e.g. restored after ``shards`` or ``density`` changed) is a
+    ``ValueError`` that says where, not a shape error deep in the step."""
+    want = jax.eval_shape(init_fn, updates)
+    got = jax.tree_util.tree_flatten_with_path(state)[0]
+    if len(got) == len(jax.tree.leaves(want)):
+      for (path, x), w in zip(got, jax.tree.leaves(want), strict=True):  # noqa: B007
+        if tuple(jnp.shape(x)) != tuple(w.shape):
+          break
+      else:
+        return
+      where = f"at {jax.tree_util.keystr(path)} shape {tuple(jnp.shape(x))}, this"
+      where += f" storage keeps {tuple(w.shape)}"
+    else:
+      where = "its structure differs"
+    raise ValueError(
+      f"sparse_state: the state was not built by this transform's init ({where})."
+      " Was it built with other storage arguments (mode, density, structure,"
+      " block, shards, where, density_threshold)? Use the same ones, or call"
+      " init again."
+    )
+
   def update_fn(updates, state, params=None, *, param_mask=None, **extra_args):
+    check_state(state, updates)
     storages, treedef = storages_of(updates)
     flat_g = treedef.flatten_up_to(updates)
     flat_p = treedef.flatten_up_to(params) if params is not None else None

@@ -62,6 +62,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
@@ -343,34 +344,35 @@ def tile_shards(params: Any) -> Callable[[Any, Any], tuple[int, int] | None]:
   for path, x in jax.tree_util.tree_flatten_with_path(
     params, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
   )[0]:
-    sharding = (
-      x if isinstance(x, jax.sharding.Sharding) else getattr(x, "sharding", None)
-    )
+    is_sharding = isinstance(x, jax.sharding.Sharding)
+    sharding = x if is_sharding else getattr(x, "sharding", None)
     if sharding is None:
       raise ValueError(
         "tile_shards needs parameters that carry a sharding (jax.Array, or"
         f" jax.ShapeDtypeStruct with sharding=...), or shardings; got a leaf {x!r}."
       )
-    shape = getattr(x, "shape", None)
-    spec = tuple(sharding.spec) if isinstance(sharding, NamedSharding) else ()
-    ndim = len(shape) if shape is not None else len(spec)
-    if ndim < 2 or not isinstance(sharding, NamedSharding):
-      table[jax.tree_util.keystr(path)] = None
-      continue
-    spec = spec + (None,) * (ndim - len(spec))
-    table[jax.tree_util.keystr(path)] = tuple(
-      _axis_size(sharding.mesh, e) for e in spec[-2:]
-    )
+    # A sharding alone does not know the leaf's rank: the leaf passed in does.
+    table[jax.tree_util.keystr(path)] = (sharding, None if is_sharding else x.ndim)
 
   def shards(path: Any, leaf: Any) -> tuple[int, int] | None:
-    del leaf
     name = jax.tree_util.keystr(path)
     if name not in table:
       raise ValueError(
         f"tile_shards has no parameter at path {name}; build it from the tree the"
         f" optimizer is applied to (it has {sorted(table)[:8]})."
       )
-    return table[name]
+    sharding, ndim = table[name]
+    if ndim is None:
+      if leaf is None:
+        raise ValueError(
+          f"tile_shards was built from shardings, which do not say the rank of"
+          f" leaf {name}: pass the leaf, or build it from the parameters."
+        )
+      ndim = len(jnp.shape(leaf))
+    if ndim < 2 or not isinstance(sharding, NamedSharding):
+      return None
+    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+    return tuple(_axis_size(sharding.mesh, e) for e in spec[-2:])
 
   return shards
 

@@ -72,6 +72,10 @@ def core_transforms():
       magma.skip_update(optax.sgd(0.1, momentum=0.9), key=4, granularity="element"),
       FLAT,
     ),
+    "magma_adam_tile": (
+      magma.magma(optax.adam(0.1), key=6, granularity=(4, 4)),
+      SQUARE,
+    ),
     "bernoulli_mask_tile": (
       optax.chain(
         optax.adam(0.1), magma.bernoulli_mask(0.5, key=5, granularity=(4, 4))
@@ -95,6 +99,7 @@ def core_transforms():
 
 EXPLICIT_CASES = (
   "magma_adam_row",
+  "magma_adam_tile",  # block sums of tiles: reshapes of sharded axes
   "skip_update_sgd_element",
   "periodic_mask_sparse_state_nm_compact",
   "periodic_mask_tiles",  # tile sums: reshapes of sharded axes (_compat.reshape)
@@ -183,14 +188,23 @@ def tile_transforms():
 
 
 def tile_shards_report(mesh):
-  """magma.sharding.tile_shards of SQUARE's sharded parameters, by leaf name."""
+  """magma.sharding.tile_shards of SQUARE's sharded parameters (and a stacked leaf
+  whose spec is shorter than its rank), built from the arrays and from their
+  shardings alone, by leaf name."""
+  layout = {**SQUARE, "stacked": ((2, 8, 16), P("x", "y"))}  # axes 0 and 1 split
   params = {
     n: jax.device_put(jnp.zeros(shape), NamedSharding(mesh, spec))
-    for n, (shape, spec) in SQUARE.items()
+    for n, (shape, spec) in layout.items()
   }
-  shards = magma.sharding.tile_shards(params)
   leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-  return {path[-1].key: list(shards(path, x)) for path, x in leaves}
+  out = {}
+  for kind, tree in (
+    ("arrays", params),
+    ("shardings", jax.tree.map(lambda x: x.sharding, params)),
+  ):
+    shards = magma.sharding.tile_shards(tree)
+    out[kind] = {path[-1].key: list(shards(path, x)) for path, x in leaves}
+  return out
 
 
 def flat_compact_error(mesh):

@@ -677,6 +677,20 @@ def test_tile_masks_balanced_over_shards_match_numpy():
   )
   with pytest.raises(ValueError, match=r"leaf \['p0'\] .* multiples of \(6, 4\)"):
     tx.init(params)
+  # Rounded per part: 4 tiles at sparsity 0.9 keep none (the leaf's 16 would keep
+  # 2), a whole layer pruned: refused. 0.75 keeps one per part; zero-size leaves
+  # have nothing to split.
+  w = {"e": jnp.zeros((0, 6)), "w": jnp.ones((8, 8))}
+  for sparsity, ok in ((0.9, False), (0.75, True)):
+    tx = magma.periodic_mask(
+      optax.sgd(0.1), sparsity=sparsity, every=1, block=(2, 2), shards=(2, 2)
+    )
+    if ok:
+      _, state = tx.update(w, tx.init(w), w)
+      assert int(state.mask["w"].sum()) == 4 * 4
+    else:
+      with pytest.raises(ValueError, match=r"parts of 4, and sparsity=0.9 keeps none"):
+        tx.init(w)
 
 
 def test_tile_ties_keep_active_then_low_tile_index():

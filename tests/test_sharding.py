@@ -184,7 +184,8 @@ def test_per_shard_tile_storage_stays_on_its_devices(report):
       checked += 1
     assert checked == cases * 3 * 3  # per case mu, nu and bits of 3 leaves
   # magma.sharding.tile_shards reads the same parts from the sharded parameters.
-  assert report["tile_shards"] == {"rows": [2, 1], "cols": [1, 4], "both": [2, 4]}
+  want = {"rows": [2, 1], "cols": [1, 4], "both": [2, 4], "stacked": [4, 1]}
+  assert report["tile_shards"] == {"arrays": want, "shardings": want}
 
 
 def test_flat_compact_storage_rejects_explicit_axes_clearly(report):
@@ -223,6 +224,34 @@ def _mesh():
 
 def _abstract(shape, spec):
   return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(_mesh(), spec))
+
+
+def test_tile_shards_reads_the_last_two_axes():
+  # On one device every count is 1 (the 8-device run checks real counts:
+  # test_per_shard_tile_storage_stays_on_its_devices).
+  params = {
+    "a": _abstract((2, 8, 16), P("x", "y")),  # a leading axis and axis -2 split
+    "b": _abstract((8, 16), P("x")),
+    "c": _abstract((16,), P("y")),
+  }
+  want = {"['a']": (1, 1), "['b']": (1, 1), "['c']": None}  # a (1, 1) mesh
+  from_arrays = magma.sharding.tile_shards(params)
+  shardings = jax.tree.map(lambda x: x.sharding, params)
+  from_shardings = magma.sharding.tile_shards(shardings)
+  for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+    name = jax.tree_util.keystr(path)
+    assert from_arrays(path, x) == want[name], name
+    assert from_arrays(path, None) == want[name], name
+    # A sharding alone has no rank: P("x", "y") of the 3-D leaf "a" is of its
+    # axes 0 and 1, which the leaf passed in tells.
+    assert from_shardings(path, x) == want[name], name
+  path_a = jax.tree_util.tree_flatten_with_path(params)[0][0][0]
+  with pytest.raises(ValueError, match="do not say the rank"):
+    from_shardings(path_a, None)
+  with pytest.raises(ValueError, match=r"no parameter at path \['z'\]"):
+    from_arrays((jax.tree_util.DictKey("z"),), None)
+  with pytest.raises(ValueError, match="carry a sharding"):
+    magma.sharding.tile_shards({"w": 1.0})
 
 
 @pytest.mark.parametrize(

@@ -761,9 +761,10 @@ def test_sharded_tiles_overflow_names_the_part_and_balanced_masks_fit():
     optax.adam(LR), mode="compact", density=0.25, block=(2, 2), shards=(2, 2)
   )
   state = tx.init(params)  # 4 parts of 4 tiles: 1 slot each
-  # 2 tiles in part (0, 0) -- the whole leaf has 2 of 16, well under 0.25.
-  two = {"w": jnp.zeros((8, 8), bool).at[:2, :4].set(True)}
-  match = r"a 2x2 shard part of leaf \['w'\] \(4 tiles of 2x2\) has 2 active .*"
+  # 2 tiles in part (1, 0) -- the whole leaf has 2 of 16, well under 0.25.
+  two = {"w": jnp.zeros((8, 8), bool).at[4:6, :4].set(True)}
+  match = r"part \(1, 0\) of the 2x2 shard parts of leaf \['w'\] \(4 tiles of 2x2\)"
+  match += r" has 2 active .*"
   match += r"shards=\(2, 2\)"
   with pytest.raises(ValueError, match=match):
     tx.update(params, state, params, param_mask=two)
@@ -808,6 +809,46 @@ def test_sharded_tiles_need_each_part_on_one_device_under_explicit_axes():
       else:
         with pytest.raises(ValueError, match="every part must lie on one device"):
           step(params, tx.init(params), m)
+
+
+def test_a_state_built_with_other_storage_arguments_is_refused_clearly():
+  params = {"w": jnp.ones((8, 8))}
+  mask = {"w": jnp.zeros((8, 8), bool).at[:2, :2].set(True)}
+  kw = dict(mode="compact", density=0.5, block=(2, 2))
+  per_shard = magma.sparse_state(optax.adam(LR), shards=(2, 2), **kw)
+  one_part = magma.sparse_state(optax.adam(LR), **kw)
+  with pytest.raises(ValueError, match=r"not built by this transform's init \(at"):
+    jax.jit(one_part.update)(params, per_shard.init(params), params, param_mask=mask)
+  with pytest.raises(ValueError, match="other storage arguments"):
+    magma.sparse_adam(LR, **kw).update(
+      params, per_shard.init(params), params, param_mask=mask
+    )
+  # Control: each with its own state.
+  for tx in (per_shard, one_part):
+    jax.jit(tx.update)(params, tx.init(params), params, param_mask=mask)
+
+
+def test_compact_steps_under_vmap_match_each_element():
+  # An ensemble of optimizers: the capacity check (a host callback) runs per element.
+  tx = magma.periodic_mask(
+    magma.sparse_state(optax.adam(LR), mode="compact", density=0.5),
+    sparsity=0.5,
+    every=1,
+  )
+  params = {"w": jnp.stack([jnp.full((4, 4), i + 1.0) for i in range(3)])}
+  grads = {"w": jax.random.normal(jax.random.key(0), (3, 4, 4))}
+  step = jax.vmap(lambda g, s, p: tx.update(g, s, p))
+  u, _ = jax.jit(step)(grads, jax.vmap(tx.init)(params), params)
+  for i in range(3):
+    p, g = {"w": params["w"][i]}, {"w": grads["w"][i]}
+    want, _ = tx.update(g, tx.init(p), p)
+    np.testing.assert_allclose(np.asarray(u["w"][i]), np.asarray(want["w"]))
+  small = magma.sparse_state(optax.adam(LR), mode="compact", density=0.25)
+  masks = jnp.stack([jnp.eye(4, dtype=bool), jnp.ones((4, 4), bool)])  # 2nd overflows
+  overflow = jax.vmap(lambda p, s, m: small.update(p, s, p, param_mask={"w": m}))
+  two = {"w": params["w"][:2]}
+  with pytest.raises(Exception, match="has 16 active entries"):
+    jax.block_until_ready(jax.jit(overflow)(two, jax.vmap(small.init)(two), masks))
 
 
 def test_shards_arguments_are_checked():
