@@ -1650,6 +1650,7 @@ def offload_sparse_state(opt_state: Any, params: Any) -> Any:
   is_state = lambda x: isinstance(x, SparseState)
   params_def = jax.tree.structure(params)
   shapes = [tuple(jnp.shape(x)) for x in params_def.flatten_up_to(params)]
+  bare = params_def.num_nodes == 1
 
   def place(node):
     # Inside optax.masked / multi_transform a group's state holds MaskedNode for
@@ -1661,7 +1662,7 @@ def offload_sparse_state(opt_state: Any, params: Any) -> Any:
     cold = [None if _trees.is_masked(c) else bool(c) for c in cold]
 
     def move(i, x):
-      if cold[i] is None:
+      if cold[i] is None or (bare and jnp.ndim(x) == 0):
         return x
       sharding = x.sharding
       want = HOST_MEMORY_KIND if cold[i] else jax.devices()[0].default_memory().kind
@@ -1671,13 +1672,15 @@ def offload_sparse_state(opt_state: Any, params: Any) -> Any:
 
     # Without shapes: compact tile buffers have their stored shapes; base_state
     # holds only per-entry state of the stored tree, and a scalar such as a count
-    # is never like a parameter tree that has more than a bare leaf.
+    # is never like a parameter tree that has more than a bare leaf. With a bare
+    # leaf every leaf of the state is "like" it: `move` skips scalars (counts)
+    # unless the parameter is a scalar itself, where only its shape tells.
     return node._replace(
       base_state=_trees.map_like(
         move,
         node.base_state,
         params_def,
-        shapes=shapes if params_def.num_nodes == 1 else None,
+        shapes=shapes if bare and shapes[0] == () else None,
       )
     )
 

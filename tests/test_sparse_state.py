@@ -878,6 +878,29 @@ def test_shards_arguments_are_checked():
 @pytest.mark.skipif(
   not magma.host_offload_available(), reason="no pinned_host memory kind"
 )
+@pytest.mark.parametrize("block", [None, (2, 2)])
+def test_offload_of_a_bare_array_parameter_moves_its_moments_not_its_count(block):
+  p = jnp.ones((8, 16))
+  tx = magma.sparse_state(
+    optax.adam(LR), mode="offload", offload_after=1, block=block,
+    density=None if block is None else 0.25,
+  )  # fmt: skip
+  state = tx.init(p)
+  for _ in range(2):
+    _, state = tx.update(p, state, p, param_mask=jnp.zeros((8, 16), bool))
+    state = magma.offload_sparse_state(state, p)
+  adam = state.base_state[0]
+  assert adam.mu.sharding.memory_kind == "pinned_host"  # was left on the device
+  assert adam.nu.sharding.memory_kind == "pinned_host"
+  assert adam.count.sharding.memory_kind != "pinned_host"
+  on = jnp.zeros((8, 16), bool).at[:2, :2].set(True)  # back from host: one tile
+  u, state = jax.jit(tx.update)(p, state, p, param_mask=on)
+  np.testing.assert_array_equal(np.asarray(u != 0), np.asarray(on))
+
+
+@pytest.mark.skipif(
+  not magma.host_offload_available(), reason="no pinned_host memory kind"
+)
 def test_tile_offload_placement_and_reactivation():
   params = {"a": jnp.ones((4, 8)), "b": jnp.ones((2, 8))}
   kw = dict(density=0.5, block=(2, 4))
