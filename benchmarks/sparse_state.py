@@ -236,19 +236,23 @@ def table_sizes(params, grads, adam, n, args):
   )
 
 
-def random_tile_mask(params: dict, density: float, block) -> dict:
-  """Exactly round(density * tiles) active r x c tiles per 2-D leaf, at random;
+def random_tile_mask(params: dict, density: float, block, parts=(1, 1)) -> dict:
+  """Exactly round(density * tiles) active r x c tiles per 2-D leaf, at random (with
+  ``parts=(sr, sc)``: in each of the leaf's sr x sc parts, for per-shard storage);
   other leaves all active."""
   r, c = block
+  sr, sc = parts
 
   def one(i, x):
     if x.ndim != 2:
       return None
-    rows, cols = x.shape[0] // r, x.shape[1] // c
-    order = jax.random.permutation(jax.random.key(300 + i), rows * cols)
-    tiles = jnp.zeros(rows * cols, bool).at[order[: round(density * rows * cols)]]
-    tiles = tiles.set(True).reshape(rows, 1, cols, 1)
-    return jnp.broadcast_to(tiles, (rows, r, cols, c)).reshape(x.shape)
+    rows, cols = x.shape[0] // (r * sr), x.shape[1] // (c * sc)
+    keys = jax.random.split(jax.random.key(300 + i), sr * sc)
+    order = jax.vmap(lambda k: jax.random.permutation(k, rows * cols))(keys)
+    keep = order < round(density * rows * cols)  # (parts, tiles of a part)
+    tiles = keep.reshape(sr, sc, rows, cols).transpose(0, 2, 1, 3)
+    tiles = tiles.reshape(sr * rows, 1, sc * cols, 1)
+    return jnp.broadcast_to(tiles, (sr * rows, r, sc * cols, c)).reshape(x.shape)
 
   leaves, treedef = jax.tree.flatten(params)
   return treedef.unflatten([one(i, x) for i, x in enumerate(leaves)])
@@ -361,6 +365,14 @@ def table_tiles(args):
       mask,
       9 + 24 * d,
     )
+  if args.shards:  # per-shard tile storage (on one device: the cost of the parts)
+    block, parts = args.blocks[0], args.shards
+    name = f"sparse_adam tiles {block[0]}x{block[1]} {d}, shards={parts}"
+    configs[name] = (
+      magma.sparse_adam(1e-3, mode="compact", density=d, block=block, shards=parts),
+      random_tile_mask(params, d, block, parts),
+      9 + 24 * d,
+    )
   runners, bytes_, model = {}, {}, {}
   for name, (tx, mask, bpp) in configs.items():
     runners[name], st = timer(tx, params, grads, args.steps, mask, donate=args.donate)
@@ -412,6 +424,12 @@ def main():
   )
   ap.add_argument(
     "--donate", action="store_true", help="donate params and state to each step"
+  )
+  ap.add_argument(
+    "--shards",
+    type=lambda v: tuple(int(x) for x in v.split("x")),
+    default=None,
+    help="with --tiles, also per-shard tile storage of the first block, e.g. 2x4",
   )
   args = ap.parse_args()
 

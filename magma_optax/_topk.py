@@ -382,19 +382,25 @@ def validate_nm_structure(structure: Any) -> tuple[int, int]:
   return tuple(structure)
 
 
-def validate_block(block: Any) -> tuple[int, int]:
-  """Checks a tile shape ``(r, c)``: positive ints."""
+def _positive_pair(value: Any, message: str) -> tuple[int, int]:
+  """``value`` as a tuple of two ints >= 1, else ``ValueError(message)``."""
   ok = (
-    isinstance(block, tuple | list)
-    and len(block) == 2
-    and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in block)
+    isinstance(value, tuple | list)
+    and len(value) == 2
+    and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value)
   )
   if not ok:
-    raise ValueError(
-      f"block must be None or (r, c) ints >= 1 (tiles of r x c entries over the"
-      f" last two axes); got {block!r}."
-    )
-  return tuple(block)
+    raise ValueError(message)
+  return tuple(value)
+
+
+def validate_block(block: Any) -> tuple[int, int]:
+  """Checks a tile shape ``(r, c)``: positive ints."""
+  return _positive_pair(
+    block,
+    f"block must be None or (r, c) ints >= 1 (tiles of r x c entries over the"
+    f" last two axes); got {block!r}.",
+  )
 
 
 def check_tiles(shape: tuple[int, ...], block: tuple[int, int], name: str) -> None:
@@ -449,17 +455,11 @@ def validate_shards(shards: Any, block: tuple[int, int] | None, who: str) -> Any
 
 
 def _shard_counts(value: Any, what: str) -> tuple[int, int]:
-  ok = (
-    isinstance(value, tuple | list)
-    and len(value) == 2
-    and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value)
+  return _positive_pair(
+    value,
+    f"{what} must be (sr, sc) ints >= 1 (the number of equal parts of the last"
+    f" two axes); got {value!r}.",
   )
-  if not ok:
-    raise ValueError(
-      f"{what} must be (sr, sc) ints >= 1 (the number of equal parts of the last"
-      f" two axes); got {value!r}."
-    )
-  return tuple(value)
 
 
 def leaf_shards(

@@ -142,16 +142,24 @@ def test_n_m_compact_state_keeps_parameter_shardings(report):
     pytest.skip("the package has no periodic_mask/sparse_state")
   r = report["sparse"]
   assert r["state_matches_helper"]
-  checked = 0
+  specs = stored_specs(r, "nm_compact")
+  for path, (spec, param_spec) in specs.items():
+    assert spec == param_spec, path
+  assert len(specs) == 3 * 4  # mu, nu and bits of 4 leaves
+
+
+def stored_specs(r, case):
+  """``{path: (spec, its parameter's spec)}`` of the stored moments and bits
+  (``mu``, ``nu``, ``stored_bits``) of the cases whose name contains ``case``."""
+  out = {}
   for path, leaf in r["state"].items():
-    if "nm_compact" not in path or not any(
+    if case not in path or not any(
       f".{field}[" in path for field in ("mu", "nu", "stored_bits")
     ):
       continue
-    case, name = path.split("'")[1], path.split("'")[-2]
-    assert leaf["spec"] == r["params"][f"['{case}']['{name}']"]["spec"], path
-    checked += 1
-  assert checked == 3 * 4  # mu, nu and bits of 4 leaves
+    name, param = path.split("'")[1], path.split("'")[-2]
+    out[path] = (leaf["spec"], r["params"][f"['{name}']['{param}']"]["spec"])
+  return out
 
 
 def test_per_shard_tile_storage_stays_on_its_devices(report):
@@ -170,19 +178,11 @@ def test_per_shard_tile_storage_stays_on_its_devices(report):
   # The tile buffers (sr, sc, capacity, 4, 4) and their bits (sr, sc, bytes) are
   # sharded like the parameter's last two axes, on Auto and on Explicit axes.
   for run, cases in (("tiles", 2), ("explicit", 1)):
-    r = report[run]
-    assert r["state_matches_helper"]
-    checked = 0
-    for path, leaf in r["state"].items():
-      if "sharded_tiles" not in path or not any(
-        f".{field}[" in path for field in ("mu", "nu", "stored_bits")
-      ):
-        continue
-      case, name = path.split("'")[1], path.split("'")[-2]
-      spec = r["params"][f"['{case}']['{name}']"]["spec"]
-      assert leaf["spec"][:2] == spec and set(leaf["spec"][2:]) == {"None"}, path
-      checked += 1
-    assert checked == cases * 3 * 3  # per case mu, nu and bits of 3 leaves
+    assert report[run]["state_matches_helper"]
+    specs = stored_specs(report[run], "sharded_tiles")
+    for path, (spec, param_spec) in specs.items():
+      assert spec[:2] == param_spec and set(spec[2:]) == {"None"}, path
+    assert len(specs) == cases * 3 * 3  # per case mu, nu and bits of 3 leaves
   # magma.sharding.tile_shards reads the same parts from the sharded parameters.
   want = {"rows": [2, 1], "cols": [1, 4], "both": [2, 4], "stacked": [4, 1]}
   assert report["tile_shards"] == {"arrays": want, "shardings": want}
