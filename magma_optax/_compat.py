@@ -153,7 +153,10 @@ def reshape(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
         return x.reshape(shape)  # not a plain split or merge: JAX decides
       group[majors[0] - j0] = spec[k]
     out.extend(group)
-  return jax.lax.reshape(x, shape, out_sharding=jax.sharding.PartitionSpec(*out))
+  # The input's sharding with the new spec: the same (abstract) mesh, also outside
+  # a `jax.set_mesh` context.
+  sharding = jax.typeof(x).sharding.update(spec=jax.sharding.PartitionSpec(*out))
+  return jax.lax.reshape(x, shape, out_sharding=sharding)
 
 
 def like_auto(fn: Any, like: jax.Array, *args: Any, axes: int | None = None) -> Any:
@@ -172,4 +175,6 @@ def like_auto(fn: Any, like: jax.Array, *args: Any, axes: int | None = None) -> 
   if spec is None:
     return fn(*args)
   out = jax.sharding.PartitionSpec(*spec[:axes])
-  return jax.sharding.auto_axes(fn, out_sharding=out)(*args)
+  # In the mesh of `like` (also outside a `jax.set_mesh` context).
+  with jax.sharding.use_abstract_mesh(jax.typeof(like).sharding.mesh):
+    return jax.sharding.auto_axes(fn, out_sharding=out)(*args)

@@ -267,7 +267,13 @@ def periodic_mask(
   if sparsity is None:
     raise ValueError("sparsity is required (a float in [0, 1) or a schedule).")
   sparsity = _sparsity.check_sparsity("sparsity", sparsity)
-  final = None if _schedules.is_schedule(sparsity) else float(sparsity)
+  # The target the per-part rounding check needs at init (a traced value, as
+  # under optax.inject_hyperparams, is only known in the step).
+  final = (
+    None
+    if _schedules.is_schedule(sparsity) or _compat.is_tracer(sparsity)
+    else float(sparsity)
+  )
   sparsity = _sparsity.ramp(schedule, sparsity, start=start, end=end)
   inner = optax.with_extra_args_support(inner)
 

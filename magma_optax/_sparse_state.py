@@ -803,7 +803,8 @@ class _ShardedTiles(_Storage):
     spec = _compat.explicit_spec(x)
     if spec is None:
       return stored
-    return jax.sharding.reshard(stored, jax.sharding.PartitionSpec(*spec[-2:]))
+    parts = jax.sharding.PartitionSpec(*spec[-2:])
+    return jax.sharding.reshard(stored, jax.typeof(x).sharding.update(spec=parts))
 
   def param_axes(self, ndim: int) -> tuple[int | None, ...]:
     """The parameter axes that the stored arrays' leading axes index (the parts),
@@ -1435,8 +1436,17 @@ def _transformation(base, storages_of, offload_after, step, frozen=False):
       jnp.zeros([], jnp.int32) if s.tracks_cold else optax.MaskedNode()
       for s in storages
     ]
+    base_state = base.init(treedef.unflatten(stored))
+
+    def place(i, x):  # eager zeros_like drops an Explicit sharding: put it back
+      s = storages[i]
+      return s.place(x, flat[i]) if isinstance(s, _ShardedTiles) else x
+
+    if any(isinstance(s, _ShardedTiles) for s in storages):
+      shapes = [s.stored_shape for s in storages]
+      base_state = _trees.map_like(place, base_state, treedef, shapes=shapes)
     return SparseState(
-      base_state=base.init(treedef.unflatten(stored)),
+      base_state=base_state,
       stored_bits=treedef.unflatten(
         [
           s.place(s.init_bits(), x) if isinstance(s, _ShardedTiles) else s.init_bits()

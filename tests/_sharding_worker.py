@@ -102,8 +102,7 @@ EXPLICIT_CASES = (
   "magma_adam_tile",  # block sums of tiles: reshapes of sharded axes
   "skip_update_sgd_element",
   "periodic_mask_sparse_state_nm_compact",
-  "periodic_mask_tiles",  # tile sums: reshapes of sharded axes (_compat.reshape)
-  "sharded_tiles_sparse_adam",
+  "sharded_tiles_sparse_adam",  # with periodic_mask's tile sums: _compat.reshape
 )
 
 

@@ -1,5 +1,6 @@
 """Tests for magma_optax.sparse_state: skip, compact and offload storage."""
 
+import contextlib
 import functools
 import math
 
@@ -780,24 +781,29 @@ def test_sharded_tiles_overflow_names_the_part_and_balanced_masks_fit():
   # storage never overflows (without shards its top-k may put them anywhere).
   tx = magma.periodic_mask(tx, sparsity=0.75, every=1, block=(2, 2), shards=(2, 2))
   state, step = tx.init(params), jax.jit(tx.update)
-  for t in range(3):
+  for t in range(2):
     g = {"w": jax.random.normal(jax.random.key(t), (8, 8))}
     _, state = step(g, state, params)
     kept = np_parts(np.asarray(state.mask["w"]), (2, 2)).sum(axis=(2, 3))
     np.testing.assert_array_equal(kept, np.full((2, 2), 4))  # 1 tile of 4 entries
 
 
-def test_sharded_tiles_need_each_part_on_one_device_under_explicit_axes():
+@pytest.mark.parametrize("in_mesh_context", [True, False])
+def test_sharded_tiles_need_each_part_on_one_device_under_explicit_axes(
+  in_mesh_context,
+):
   # On a (1, 1) mesh of Explicit axes: a leaf sharded along a leading axis has parts
-  # that would span devices (a clear error); along its last two axes it runs.
+  # that would span devices (a clear error); along its last two axes it runs, also
+  # with the arrays' mesh only (no `jax.set_mesh`).
   mesh = jax.make_mesh((1, 1), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
+  context = jax.set_mesh(mesh) if in_mesh_context else contextlib.nullcontext()
   tx = magma.sparse_state(
     optax.adam(LR), mode="compact", density=0.5, block=(2, 2), shards=(2, 2)
   )
   mask = jnp.zeros((2, 8, 8), bool).at[:, :2, :2].set(True)
   mask = mask.at[:, 4:6, 4:6].set(True).at[:, :2, 4:6].set(True)
   mask = mask.at[:, 4:6, :2].set(True)
-  with jax.set_mesh(mesh):
+  with context:
     for spec, ok in ((P(None, "x", "y"), True), (P("x", None, None), False)):
       sharding = NamedSharding(mesh, spec)
       params = {"w": jax.device_put(jnp.ones((2, 8, 8)), sharding)}
@@ -830,25 +836,23 @@ def test_a_state_built_with_other_storage_arguments_is_refused_clearly():
 
 def test_compact_steps_under_vmap_match_each_element():
   # An ensemble of optimizers: the capacity check (a host callback) runs per element.
-  tx = magma.periodic_mask(
-    magma.sparse_state(optax.adam(LR), mode="compact", density=0.5),
-    sparsity=0.5,
-    every=1,
-  )
+  tx = magma.sparse_state(optax.adam(LR), mode="compact", density=0.25)
   params = {"w": jnp.stack([jnp.full((4, 4), i + 1.0) for i in range(3)])}
   grads = {"w": jax.random.normal(jax.random.key(0), (3, 4, 4))}
-  step = jax.vmap(lambda g, s, p: tx.update(g, s, p))
-  u, _ = jax.jit(step)(grads, jax.vmap(tx.init)(params), params)
+  eye = jnp.eye(4, dtype=bool)
+  fit = jnp.stack([eye, eye[::-1], eye])  # 4 active entries each: the capacity
+  step = jax.jit(lambda g, s, p, m: tx.update(g, s, p, param_mask={"w": m}))
+  batched = jax.jit(
+    jax.vmap(lambda g, s, p, m: tx.update(g, s, p, param_mask={"w": m}))
+  )
+  u, _ = batched(grads, jax.vmap(tx.init)(params), params, fit)
   for i in range(3):
     p, g = {"w": params["w"][i]}, {"w": grads["w"][i]}
-    want, _ = tx.update(g, tx.init(p), p)
+    want, _ = step(g, tx.init(p), p, fit[i])
     np.testing.assert_allclose(np.asarray(u["w"][i]), np.asarray(want["w"]))
-  small = magma.sparse_state(optax.adam(LR), mode="compact", density=0.25)
-  masks = jnp.stack([jnp.eye(4, dtype=bool), jnp.ones((4, 4), bool)])  # 2nd overflows
-  overflow = jax.vmap(lambda p, s, m: small.update(p, s, p, param_mask={"w": m}))
-  two = {"w": params["w"][:2]}
-  with pytest.raises(Exception, match="has 16 active entries"):
-    jax.block_until_ready(jax.jit(overflow)(two, jax.vmap(small.init)(two), masks))
+  overflow = fit.at[2].set(~eye)  # 12 active entries in the third
+  with pytest.raises(Exception, match="has 12 active entries"):
+    jax.block_until_ready(batched(grads, jax.vmap(tx.init)(params), params, overflow))
 
 
 def test_shards_arguments_are_checked():
