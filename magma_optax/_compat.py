@@ -11,6 +11,7 @@ not load Pallas, which only the kernels' Pallas path needs.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
@@ -129,8 +130,8 @@ def reshape(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   """
   shape = tuple(shape)
   spec = explicit_spec(x)
-  if spec is None:
-    return x.reshape(shape)
+  if spec is None or 0 in x.shape or math.prod(x.shape) != math.prod(shape):
+    return x.reshape(shape)  # (zero-size or invalid: JAX's own result or error)
   out: list[Any] = []
   i = j = 0
   src, dst = tuple(x.shape), shape

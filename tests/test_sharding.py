@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import AxisType
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -224,6 +225,25 @@ def _mesh():
 
 def _abstract(shape, spec):
   return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(_mesh(), spec))
+
+
+def test_reshape_of_explicit_sharded_axes_keeps_them_on_the_major_piece():
+  from magma_optax import _compat
+
+  mesh = jax.make_mesh((1, 1), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
+  x = jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(mesh, P("x", "y")))
+  cases = [  # new shape, the spec it gets
+    ((2, 4, 8), P("x", None, "y")),  # split: the major piece keeps the axes
+    ((2, 4, 2, 4), P("x", None, "y", None)),
+    ((8, 1, 8, 1), P("x", None, "y", None)),  # size-1 axes inserted
+  ]
+  for shape, spec in cases:
+    y = jax.jit(lambda x, shape=shape: _compat.reshape(x, shape))(x)
+    assert jax.typeof(y).sharding.spec == spec, shape
+    np.testing.assert_array_equal(np.asarray(y), np.arange(64.0).reshape(shape))
+    back = jax.jit(lambda y: _compat.reshape(y, (8, 8)))(y)  # merge: the major's
+    assert jax.typeof(back).sharding.spec == P("x", "y")
+  assert _compat.reshape(jnp.ones((2, 6)), (3, 4)).shape == (3, 4)  # unsharded
 
 
 def test_tile_shards_reads_the_last_two_axes():
