@@ -19,6 +19,7 @@ import zipfile
 import pytest
 
 import magma_optax
+from magma_optax import _compat
 
 pytest.importorskip("build")
 
@@ -34,6 +35,16 @@ def _run(cmd, **kw):
   return run
 
 
+# The artifacts are pure Python, the same on every jax line: they are built and
+# installed on the newest one (CI line 2, Python >= 3.12), which keeps the older
+# line's suite within its time budget (about 60 s of a 2-core run). The static
+# checks of the imports below run on every line.
+newest_line_only = pytest.mark.skipif(
+  _compat.JAX_VERSION < (0, 11),
+  reason="build and bare install run on the newest jax line (the wheel is pure Python)",
+)
+
+
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory):
   out = tmp_path_factory.mktemp("dist")
@@ -44,6 +55,7 @@ def dist(tmp_path_factory):
   return wheel, sdist
 
 
+@newest_line_only
 def test_wheel_holds_the_package_only(dist):
   wheel, _ = dist
   version = magma_optax.__version__
@@ -61,6 +73,7 @@ def test_wheel_holds_the_package_only(dist):
     assert needed in names, needed
 
 
+@newest_line_only
 def test_wheel_metadata(dist):
   wheel, _ = dist
   version = magma_optax.__version__
@@ -78,6 +91,7 @@ def test_wheel_metadata(dist):
   assert "Programming Language :: Python :: 3.12" in meta.get_all("Classifier")
 
 
+@newest_line_only
 def test_sdist_has_the_license_and_sources(dist):
   _, sdist = dist
   names = tarfile.open(sdist).getnames()
@@ -119,6 +133,7 @@ def test_import_parser_sees_imports_not_prose():
   assert _top_level_imports(source) == {"flax", "orbax"}
 
 
+@newest_line_only
 def test_wheel_installs_without_extras_and_imports(dist, tmp_path):
   wheel, _ = dist
   venv = tmp_path / "venv"
