@@ -106,6 +106,15 @@ def triton_compiler_params(num_warps: int) -> Any:
   return plgpu.CompilerParams(num_warps=num_warps)
 
 
+def mesh_axis_size(mesh: Any, entry: Any) -> int:
+  """How many pieces a partition-spec entry (``None``, a mesh axis name or a tuple of
+  names) cuts an axis into on ``mesh``."""
+  if entry is None:
+    return 1
+  names = entry if isinstance(entry, tuple) else (entry,)
+  return math.prod(mesh.shape[n] for n in names)
+
+
 def explicit_spec(x: Any) -> tuple[Any, ...] | None:
   """``x``'s partition spec (one entry per axis) if it is sharded over ``Explicit``
   mesh axes (sharding in types), else ``None``."""

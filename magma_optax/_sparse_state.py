@@ -817,12 +817,7 @@ class _ShardedTiles(_Storage):
     if spec is None:
       return
     mesh = jax.typeof(x).sharding.mesh
-
-    def size(entry):
-      names = entry if isinstance(entry, tuple) else (entry,)
-      return math.prod(1 if n is None else mesh.shape[n] for n in names)
-
-    counts = tuple(size(e) for e in spec[-2:])
+    counts = tuple(_compat.mesh_axis_size(mesh, e) for e in spec[-2:])
     if any(e is not None for e in spec[:-2]) or any(
       p % n for p, n in zip(self.parts, counts, strict=True)
     ):

@@ -57,7 +57,6 @@ magma.sharding.init(...)``).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -69,6 +68,7 @@ from jax.sharding import PartitionSpec
 
 from magma_optax import _alignment
 from magma_optax import _blocks
+from magma_optax import _compat
 from magma_optax import _engine
 from magma_optax import _trees
 
@@ -80,13 +80,6 @@ def _find_mesh(shardings: list[Any]) -> jax.sharding.Mesh | None:
     if isinstance(s, NamedSharding):
       return s.mesh
   return None
-
-
-def _axis_size(mesh: jax.sharding.Mesh, entry: Any) -> int:
-  if entry is None:
-    return 1
-  names = entry if isinstance(entry, tuple) else (entry,)
-  return math.prod(mesh.shape[n] for n in names)
 
 
 def _block_spec(
@@ -129,7 +122,7 @@ def _leaf_sharding(
   # An axis split unevenly is legal but pads; keep only exact splits.
   mesh = sharding.mesh
   block_spec = tuple(
-    e if d % _axis_size(mesh, e) == 0 else None
+    e if d % _compat.mesh_axis_size(mesh, e) == 0 else None
     for d, e in zip(shape, block_spec, strict=True)
   )
   return NamedSharding(
@@ -372,7 +365,7 @@ def tile_shards(params: Any) -> Callable[[Any, Any], tuple[int, int] | None]:
     if ndim < 2 or not isinstance(sharding, NamedSharding):
       return None
     spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
-    return tuple(_axis_size(sharding.mesh, e) for e in spec[-2:])
+    return tuple(_compat.mesh_axis_size(sharding.mesh, e) for e in spec[-2:])
 
   return shards
 
