@@ -172,15 +172,17 @@ def periodic_mask(
       row-major order of the tile grid). Every pruned leaf needs >= 2 axes with
       the last two multiples of ``(r, c)`` (a ``ValueError`` at ``init`` names the
       leaf otherwise; scope such leaves out with ``where``). ``None``: entries.
-    shards: with ``block``, ``(sr, sc)`` (or a callable ``(path, leaf) -> (sr, sc)
+    shards: with ``block``, ``(sr, sc)`` (or a callable ``(path, leaf) -> counts
       | None``, e.g. :func:`magma_optax.sharding.tile_shards`) to balance the mask
       over the shards of a parameter split ``sr`` ways along axis -2 and ``sc``
       ways along axis -1: the top-k runs in each of the ``sr x sc`` parts of the
       tile grid, which keeps ``T_p - round(s T_p)`` of its ``T_p`` tiles (the same
       number in every part, what :func:`sparse_state`'s per-shard tile storage with
-      the same ``shards`` needs). The target is rounded per part, so the kept
-      fraction moves in steps of ``1 / T_p``; a float ``sparsity`` that keeps no
-      tile of a part where the leaf's one top-k would keep some is a
+      the same ``shards`` needs). Counts for the last ``k > 2`` axes (``(se, sr,
+      sc)``: a stack sharded ``se`` ways along axis -3) split those axes too.
+      The target is rounded per part, so the kept fraction moves in steps of ``1
+      / T_p``; a float ``sparsity`` that keeps no tile of a part where the leaf's
+      one top-k would keep some is a
       ``ValueError`` at ``init`` (a whole layer pruned). Needs
       ``ranking="per_leaf"``; each part must hold whole tiles (a ``ValueError`` at
       ``init`` names the leaf otherwise). ``None``: one top-k per leaf.
@@ -282,8 +284,8 @@ def periodic_mask(
     return plans, treedef
 
   def parts_of(plans, tree):
-    """Per leaf, the ``(sr, sc)`` parts its tiles are ranked in (or ``None``; also
-    for zero-size leaves, which have nothing to rank)."""
+    """Per leaf, the parts its tiles are ranked in (counts for its last axes), or
+    ``None`` (also for zero-size leaves, which have nothing to rank)."""
     paths_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     return [
       None
@@ -372,12 +374,15 @@ def periodic_mask(
           out[i] = _top_k_mask(scores[i], active[i], k)
           continue
         # Balanced over the shards: one top-k per part of the tile grid.
+        n = len(parts[i])
         s, a = (_topk.split_parts(x, parts[i]) for x in (scores[i], active[i]))
-        k = _topk.num_keep(target, math.prod(s.shape[2:]))
+        k = _topk.num_keep(target, math.prod(s.shape[n:]))
         # k is an argument, not a constant: under Explicit mesh axes like_auto
         # runs the top-k with them as Auto, and k must come in through it.
-        per_part = jax.vmap(jax.vmap(_top_k_mask, (0, 0, None)), (0, 0, None))
-        out[i] = _topk.join_parts(_compat.like_auto(per_part, s, s, a, k))
+        per_part = _top_k_mask
+        for _ in range(n):
+          per_part = jax.vmap(per_part, (0, 0, None))
+        out[i] = _topk.join_parts(_compat.like_auto(per_part, s, s, a, k), n)
     elif idx:
       n = sum(scores[i].size for i in idx)
       keep = _top_k_masks(

@@ -112,7 +112,10 @@ as :func:`magma_optax.sharding.tile_shards`) divides it: the leaf's last two axe
 split into ``sr x sc`` equal parts of whole tiles (a device's shard when the
 parameter is sharded that way) and each part is tile storage of its own,
 ``ceil(density * T_p)`` slots for its ``T_p`` tiles, stored as ``(sr, sc, capacity,
-r, c)`` with the bits as ``(sr, sc, bytes)``. Indices are local to a part and every
+r, c)`` with the bits as ``(sr, sc, bytes)``. Counts for more axes, ``(s_1, ...,
+s_k)`` for the last ``k``, also split the axes before the last two (a stack of
+experts or layers sharded along its stacking axis), stored as ``(s_1, ..., s_k,
+capacity, r, c)``. Indices are local to a part and every
 gather, scatter and remap is ``vmap``-ed over the parts, so XLA keeps each part on
 its device; ``init`` declares the parts' axes, and
 :func:`magma_optax.sharding.state_shardings` shards the buffers like the parameter
@@ -120,13 +123,15 @@ its device; ``init`` declares the parts' axes, and
 bytes are all-reduced, results equal one device's). A part's capacity is its own, so
 the mask must be balanced over the parts: ``periodic_mask(..., block=(r, c),
 shards=...)`` with the same ``shards`` keeps as many tiles in every part; a part with
-more active tiles than its capacity is a capacity overflow naming it. Axes before the
-last two are not split (a leaf sharded along them has parts that span devices).
+more active tiles than its capacity is a capacity overflow naming it. Axes not
+counted in ``shards`` are not split (a leaf sharded along them has parts that span
+devices).
 Unlike the other index-addressed storages it also runs on ``Explicit`` axes (results
 equal one device's, checked on 8 CPU devices): the per-part work runs with the mesh
 axes as ``Auto`` (``jax.sharding.auto_axes``) and its outputs are sharded like the
-parts; a leaf whose sharding would put a part on several devices (sharded along a
-leading axis, or into a number of pieces that does not divide the parts) is a
+parts; a leaf whose sharding would put a part on several devices (sharded along an
+axis that ``shards`` does not count, or into a number of pieces that does not
+divide the parts) is a
 ``ValueError`` that says so.
 """
 
@@ -758,12 +763,12 @@ class _Tiles(_Storage):
 
 
 class _ShardedTiles(_Storage):
-  """Compact tile storage per shard: ``(sr, sc, capacity, r, c)``.
+  """Compact tile storage per shard: ``(s_1, ..., s_k, capacity, r, c)``.
 
-  The leaf's last two axes are split into ``sr x sc`` equal parts
+  The leaf's last ``k >= 2`` axes are split into ``s_1 x ... x s_k`` equal parts
   (:func:`magma_optax._topk.split_parts`: a device's shard of a parameter sharded
-  ``sr`` ways along axis -2 and ``sc`` ways along axis -1), and each part is a
-  :class:`_Tiles` of its own (``part``) with ``capacity`` slots: every method is
+  ``s_i`` ways along each of them; ``(sr, sc)`` for the last two), and each part is
+  a :class:`_Tiles` of its own (``part``) with ``capacity`` slots: every method is
   the part's, ``vmap``-ed over the parts. So the indices are local to a part and
   the gathers and scatters are batched over the parts: where the parameter is
   sharded that way, every device gathers, updates and scatters its own tiles --
@@ -775,14 +780,18 @@ class _ShardedTiles(_Storage):
 
   def __init__(self, shape, name, block, parts, capacity: int, limit):
     super().__init__(shape, name)
-    sr, sc = parts
-    part_shape = (*self.shape[:-2], self.shape[-2] // sr, self.shape[-1] // sc)
+    k = len(parts)
+    split = self.shape[len(self.shape) - k :]
+    part_shape = (
+      *self.shape[: len(self.shape) - k],
+      *(n // p for n, p in zip(split, parts, strict=True)),
+    )
     self.part = _Tiles(part_shape, name, block, capacity, limit)
     self.part.hint = (
       f" A mask with the same number of tiles in every part comes from"
       f" periodic_mask(..., block={block}, shards={tuple(parts)})."
     )
-    self.parts = parts
+    self.parts = tuple(parts)
     self.block = block
     self.capacity = capacity
 
@@ -797,19 +806,19 @@ class _ShardedTiles(_Storage):
     return jnp.zeros((*self.parts, *self.part.init_bits().shape), jnp.uint8)
 
   def place(self, stored, x):
-    """``stored`` with its parts sharded like ``x``'s last two axes, where ``x`` is
+    """``stored`` with its parts sharded like ``x``'s split axes, where ``x`` is
     sharded over ``Explicit`` mesh axes (elsewhere unchanged): the state then has
     the types the step gives it."""
     spec = _compat.explicit_spec(x)
     if spec is None:
       return stored
-    parts = jax.sharding.PartitionSpec(*spec[-2:])
+    parts = jax.sharding.PartitionSpec(*spec[len(spec) - len(self.parts) :])
     return jax.sharding.reshard(stored, jax.typeof(x).sharding.update(spec=parts))
 
   def param_axes(self, ndim: int) -> tuple[int | None, ...]:
     """The parameter axes that the stored arrays' leading axes index (the parts),
     for :func:`magma_optax.sharding.state_shardings`."""
-    return (ndim - 2, ndim - 1)
+    return tuple(range(ndim - len(self.parts), ndim))
 
   def _check_explicit(self, x):
     """Under ``Explicit`` mesh axes every part must lie on one device."""
@@ -817,29 +826,32 @@ class _ShardedTiles(_Storage):
     if spec is None:
       return
     mesh = jax.typeof(x).sharding.mesh
-    counts = tuple(_compat.mesh_axis_size(mesh, e) for e in spec[-2:])
-    if any(e is not None for e in spec[:-2]) or any(
+    k = len(self.parts)
+    counts = tuple(_compat.mesh_axis_size(mesh, e) for e in spec[len(spec) - k :])
+    if any(e is not None for e in spec[: len(spec) - k]) or any(
       p % n for p, n in zip(self.parts, counts, strict=True)
     ):
       raise ValueError(
         f"sparse_state: per-shard tile storage splits leaf {self.name} into"
-        f" shards={self.parts} parts of its last two axes, but the leaf is sharded"
+        f" shards={self.parts} parts of its last {k} axes, but the leaf is sharded"
         f" over Explicit mesh axes as {jax.sharding.PartitionSpec(*spec)}: every"
-        " part must lie on one device, so shard only the last two axes, into"
+        f" part must lie on one device, so shard only the last {k} axes, into"
         " numbers of pieces that divide the parts (shards="
         "magma.sharding.tile_shards(params) gives them)."
       )
 
   def per_part(self, fn, *args, in_axes=0, order=None):
-    """``vmap(vmap(fn))(*args)`` over the parts (the leading ``(sr, sc)`` axes);
+    """``vmap(...(vmap(fn)))(*args)`` over the parts (the leading ``k`` axes);
     under ``Explicit`` mesh axes with them as ``Auto`` inside
     (:func:`magma_optax._compat.like_auto`), the outputs sharded like the parts
     of ``args[0]``. ``order``: ``fn`` takes ``args`` in that order."""
     if order is not None:
       inner = fn
       fn = lambda *a: inner(*(a[i] for i in order))  # noqa: E731
-    batched = jax.vmap(jax.vmap(fn, in_axes), in_axes)
-    return _compat.like_auto(batched, args[0], *args, axes=2)
+    batched = fn
+    for _ in self.parts:
+      batched = jax.vmap(batched, in_axes)
+    return _compat.like_auto(batched, args[0], *args, axes=len(self.parts))
 
   def prepare(self, mask, bits, grad):
     self._check_explicit(grad)
@@ -847,19 +859,25 @@ class _ShardedTiles(_Storage):
     idx, new_bits, changed, differ, n_active = self.per_part(
       self.part.tile_set, _topk.split_parts(mask, self.parts), bits
     )
-    # The part the error names: the first one not made of whole tiles, else the
-    # fullest one.
-    worst = jnp.where(jnp.any(differ), jnp.argmax(differ), jnp.argmax(n_active))
-    a, b = worst // self.parts[1], worst % self.parts[1]
-    differ, n_active = jnp.any(differ), jnp.max(n_active)
+
+    def worst(differ, n_active):
+      # The part the error names: the first one not made of whole tiles, else the
+      # fullest one (a flat index: with the mesh axes as Auto, which Explicit
+      # ones do not allow for every split).
+      at = jnp.where(jnp.any(differ), jnp.argmax(differ), jnp.argmax(n_active))
+      return jnp.any(differ), jnp.max(n_active), *jnp.unravel_index(at, self.parts)
+
+    differ, n_active, *where = _compat.like_auto(
+      worst, differ, differ, n_active, axes=0
+    )
     check = _Check(
-      differ | (n_active > self.capacity), self._problem, (differ, n_active, a, b)
+      differ | (n_active > self.capacity), self._problem, (differ, n_active, *where)
     )
     return idx, new_bits, jnp.any(changed), check
 
-  def _problem(self, differ: int, active: int, a: int, b: int) -> str:
-    sr, sc = self.parts
-    unit = f"part ({a}, {b}) of the {sr}x{sc} shard parts of leaf {self.name}"
+  def _problem(self, differ: int, active: int, *where: int) -> str:
+    sizes = "x".join(map(str, self.parts))
+    unit = f"part {tuple(where)} of the {sizes} shard parts of leaf {self.name}"
     return self.part._problem(differ, active, unit)
 
   def remap(self, ctx, x, bits):
@@ -876,7 +894,7 @@ class _ShardedTiles(_Storage):
   def scatter(self, ctx, mask, u):
     del mask
     scattered = self.per_part(lambda c, v: self.part.scatter(c, None, v), ctx, u)
-    return _topk.join_parts(scattered)
+    return _topk.join_parts(scattered, len(self.parts))
 
 
 class _HostTiles:
@@ -1012,7 +1030,7 @@ def sparse_state(
       scope others out with ``where``). A mask that is not made of whole tiles,
       or has more active tiles than the capacity, is an error (raised as for
       capacity overflows).
-    shards: with ``block``, ``(sr, sc)`` (or a callable ``(path, leaf) -> (sr, sc)
+    shards: with ``block``, ``(sr, sc)`` (or a callable ``(path, leaf) -> counts
       | None``, e.g. :func:`magma_optax.sharding.tile_shards`): per-shard tile
       storage for a parameter sharded ``sr`` ways along axis -2 and ``sc`` ways
       along axis -1. Each of the ``sr x sc`` parts of the leaf keeps
@@ -1020,11 +1038,13 @@ def sparse_state(
       capacity, r, c)``: the indices are local to a part and the gathers and
       scatters are batched over the parts, so a device reads and writes its own
       tiles only and :func:`magma_optax.sharding.state_shardings` shards the
-      storage like the parameter. A part with more active tiles than its capacity
-      is a capacity overflow naming the part: use the same ``shards`` in
-      ``periodic_mask``, which then keeps as many tiles in every part.
-      ``density_threshold`` compares a part's capacity with its tiles. ``None``:
-      one storage per leaf.
+      storage like the parameter. Counts for the last ``k > 2`` axes, e.g.
+      ``(se, sr, sc)`` for stacked experts or layers sharded ``se`` ways along
+      axis -3, split those axes too (stored as ``(se, sr, sc, capacity, r, c)``).
+      A part with more active tiles than its capacity is a capacity overflow
+      naming the part: use the same ``shards`` in ``periodic_mask``, which then
+      keeps as many tiles in every part. ``density_threshold`` compares a part's
+      capacity with its tiles. ``None``: one storage per leaf.
     density_threshold: leaves with capacity above this fraction of their size use
       skip storage (default 0.6).
     offload_after: K >= 1, steps of an all-inactive mask after which a leaf is cold

@@ -382,11 +382,12 @@ def validate_nm_structure(structure: Any) -> tuple[int, int]:
   return tuple(structure)
 
 
-def _positive_pair(value: Any, message: str) -> tuple[int, int]:
-  """``value`` as a tuple of two ints >= 1, else ``ValueError(message)``."""
+def _positive_ints(value: Any, message: str, size: int | None = 2) -> tuple[int, ...]:
+  """``value`` as a tuple of ints >= 1 (``size`` of them; ``None``: two or more),
+  else ``ValueError(message)``."""
   ok = (
     isinstance(value, tuple | list)
-    and len(value) == 2
+    and (len(value) == size if size is not None else len(value) >= 2)
     and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value)
   )
   if not ok:
@@ -396,7 +397,7 @@ def _positive_pair(value: Any, message: str) -> tuple[int, int]:
 
 def validate_block(block: Any) -> tuple[int, int]:
   """Checks a tile shape ``(r, c)``: positive ints."""
-  return _positive_pair(
+  return _positive_ints(
     block,
     f"block must be None or (r, c) ints >= 1 (tiles of r x c entries over the"
     f" last two axes); got {block!r}.",
@@ -441,8 +442,9 @@ def untile(tile_mask: jax.Array, block: tuple[int, int]) -> jax.Array:
 
 
 def validate_shards(shards: Any, block: tuple[int, int] | None, who: str) -> Any:
-  """Checks ``shards``: ``None``, ``(sr, sc)`` ints >= 1, or a callable ``(path,
-  leaf) -> (sr, sc) | None`` (checked per leaf by :func:`leaf_shards`)."""
+  """Checks ``shards``: ``None``, ints >= 1 for the last ``k >= 2`` axes (``(sr,
+  sc)``, or e.g. ``(se, sr, sc)``), or a callable ``(path, leaf) -> counts | None``
+  (checked per leaf by :func:`leaf_shards`)."""
   if shards is None or callable(shards):
     pass
   else:
@@ -454,52 +456,65 @@ def validate_shards(shards: Any, block: tuple[int, int] | None, who: str) -> Any
   return shards
 
 
-def _shard_counts(value: Any, what: str) -> tuple[int, int]:
-  return _positive_pair(
+def _shard_counts(value: Any, what: str) -> tuple[int, ...]:
+  return _positive_ints(
     value,
-    f"{what} must be (sr, sc) ints >= 1 (the number of equal parts of the last"
-    f" two axes); got {value!r}.",
+    f"{what} must be ints >= 1, the number of equal parts of each of the last k"
+    f" >= 2 axes: (sr, sc) for the last two, (se, sr, sc) for the last three; got"
+    f" {value!r}.",
+    size=None,
   )
 
 
 def leaf_shards(
   shards: Any, path: Any, leaf: Any, block: tuple[int, int], name: str
-) -> tuple[int, int] | None:
-  """A leaf's ``(sr, sc)`` parts of its tile grid, or ``None`` for one part.
+) -> tuple[int, ...] | None:
+  """A leaf's parts of its tile grid (counts for its last ``k`` axes), or ``None``
+  for one part.
 
   Each part must hold whole tiles: the last two axes are multiples of ``sr * r``
-  and ``sc * c`` (a ``ValueError`` naming the leaf otherwise).
+  and ``sc * c``, the axes before them multiples of their counts (a ``ValueError``
+  naming the leaf otherwise).
   """
   if shards is None:
     return None
   parts = shards(path, leaf) if callable(shards) else shards
   if parts is None:
     return None
-  sr, sc = _shard_counts(parts, f"shards for leaf {name}")
+  parts = _shard_counts(parts, f"shards for leaf {name}")
   shape = tuple(jnp.shape(leaf))
   r, c = block
-  if len(shape) < 2 or shape[-2] % (sr * r) or shape[-1] % (sc * c):
+  need = (*parts[:-2], parts[-2] * r, parts[-1] * c)
+  if len(shape) < len(parts) or any(
+    n % k for n, k in zip(shape[len(shape) - len(parts) :], need, strict=True)
+  ):
+    sizes = " x ".join(map(str, parts))
     raise ValueError(
-      f"shards={parts} splits the last two axes of leaf {name} (shape {shape}) into"
-      f" {sr} x {sc} parts of whole {r}x{c} tiles, so they must be multiples of"
-      f" ({sr * r}, {sc * c})."
+      f"shards={parts} splits the last {len(parts)} axes of leaf {name} (shape"
+      f" {shape}) into {sizes} parts of whole {r}x{c} tiles, so they must be"
+      f" multiples of {need}."
     )
-  return None if (sr, sc) == (1, 1) else (sr, sc)
+  return None if all(k == 1 for k in parts) else parts
 
 
-def split_parts(x: jax.Array, parts: tuple[int, int]) -> jax.Array:
-  """``(..., A, B) -> (sr, sc, ..., A / sr, B / sc)``: part ``(a, b)`` is the ``a``-th
-  of ``sr`` equal pieces of axis -2 and the ``b``-th of axis -1 (a device's shard
-  of a parameter split that way)."""
-  sr, sc = parts
-  *lead, a, b = x.shape
+def split_parts(x: jax.Array, parts: tuple[int, ...]) -> jax.Array:
+  """``(..., A_1, ..., A_k) -> (s_1, ..., s_k, ..., A_1 / s_1, ..., A_k / s_k)`` for
+  ``parts = (s_1, ..., s_k)``: part ``(a_1, ..., a_k)`` is the ``a_i``-th of ``s_i``
+  equal pieces of each of the last ``k`` axes (a device's shard of a parameter
+  split that way)."""
+  k = len(parts)
+  lead, split = x.shape[: x.ndim - k], x.shape[x.ndim - k :]
+  pieces = [d for s, a in zip(parts, split, strict=True) for d in (s, a // s)]
+  x = _compat.reshape(x, (*lead, *pieces))
   n = len(lead)
-  x = _compat.reshape(x, (*lead, sr, a // sr, sc, b // sc))
-  return jnp.moveaxis(x, (n, n + 2), (0, 1))
+  return jnp.moveaxis(x, [n + 2 * i for i in range(k)], list(range(k)))
 
 
-def join_parts(x: jax.Array) -> jax.Array:
-  """The inverse of :func:`split_parts`."""
-  sr, sc, *lead, a, b = x.shape
-  n = len(lead)
-  return _compat.reshape(jnp.moveaxis(x, (0, 1), (n, n + 2)), (*lead, sr * a, sc * b))
+def join_parts(x: jax.Array, k: int) -> jax.Array:
+  """The inverse of :func:`split_parts` with ``k`` part axes."""
+  n = x.ndim - 2 * k
+  x = jnp.moveaxis(x, list(range(k)), [n + 2 * i for i in range(k)])
+  lead, pieces = x.shape[:n], x.shape[n:]
+  return _compat.reshape(
+    x, (*lead, *(pieces[2 * i] * pieces[2 * i + 1] for i in range(k)))
+  )

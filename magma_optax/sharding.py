@@ -301,7 +301,7 @@ def abstract_state(
   )
 
 
-def tile_shards(params: Any) -> Callable[[Any, Any], tuple[int, int] | None]:
+def tile_shards(params: Any) -> Callable[[Any, Any], tuple[int, ...] | None]:
   """The ``shards=`` that follows the parameters' shardings, for tile masks and
   per-shard tile storage.
 
@@ -309,10 +309,11 @@ def tile_shards(params: Any) -> Callable[[Any, Any], tuple[int, int] | None]:
   :func:`magma_optax.sparse_adam` with ``block=(r, c)``: a leaf whose
   ``NamedSharding`` splits axis -2 ``sr`` ways and axis -1 ``sc`` ways gets ``(sr,
   sc)``, so its mask keeps as many tiles in every shard and its tile storage is
-  kept per shard, sharded like the parameter. Leaves of fewer than two axes, or
-  whose last two axes are not split, get ``None`` (one part). Axes before the last
-  two are not followed: a leaf split along them has parts that span devices (still
-  correct, with the gathers across devices of unsharded tile storage).
+  kept per shard, sharded like the parameter. A leaf also split along an axis
+  before the last two (a stack of experts or layers) gets the counts of every axis
+  from the first split one on, e.g. ``(4, 1, 2)`` for ``P("e", None, "x")`` with
+  ``e`` of size 4 and ``x`` of size 2. Leaves of fewer than two axes get ``None``
+  (one part).
 
   Args:
     params: the parameter tree the optimizer is applied to (the same paths):
@@ -320,7 +321,7 @@ def tile_shards(params: Any) -> Callable[[Any, Any], tuple[int, int] | None]:
       shardings themselves.
 
   Returns:
-    A function ``(path, leaf) -> (sr, sc) | None`` that looks the leaf up by its
+    A function ``(path, leaf) -> counts | None`` that looks the leaf up by its
     key path (a ``ValueError`` for a path that ``params`` does not have).
 
   Example:
@@ -347,7 +348,7 @@ def tile_shards(params: Any) -> Callable[[Any, Any], tuple[int, int] | None]:
     # A sharding alone does not know the leaf's rank: the leaf passed in does.
     table[jax.tree_util.keystr(path)] = (sharding, None if is_sharding else x.ndim)
 
-  def shards(path: Any, leaf: Any) -> tuple[int, int] | None:
+  def shards(path: Any, leaf: Any) -> tuple[int, ...] | None:
     name = jax.tree_util.keystr(path)
     if name not in table:
       raise ValueError(
@@ -365,7 +366,9 @@ def tile_shards(params: Any) -> Callable[[Any, Any], tuple[int, int] | None]:
     if ndim < 2 or not isinstance(sharding, NamedSharding):
       return None
     spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
-    return tuple(_compat.mesh_axis_size(sharding.mesh, e) for e in spec[-2:])
+    counts = [_compat.mesh_axis_size(sharding.mesh, e) for e in spec]
+    first = next((i for i, n in enumerate(counts) if n > 1), ndim)
+    return tuple(counts[min(first, ndim - 2) :])
 
   return shards
 

@@ -57,6 +57,8 @@ FLAT = {
 }
 SQUARE = {k: v for k, v in FLAT.items() if k != "bias"}  # 4x4 tiles divide these
 STACKED = {"layers": ((4, 8, 16), P(None, "x", "y")), "head": ((16, 8), P("y", None))}
+# Per-shard tiles: SQUARE and a stack of experts sharded along its stacking axis.
+TILED = {**SQUARE, "experts": ((4, 8, 8), P("y", None, "x"))}
 
 
 def core_transforms():
@@ -157,12 +159,12 @@ def sparse_transforms():
 MESH_AXES = {"x": 2, "y": 4}  # the ("x", "y") mesh of the 8-device runs
 
 
-def square_parts(path, leaf):
-  """``shards=`` for SQUARE: a leaf's shard counts along its last two axes (what
+def tiled_parts(path, leaf):
+  """``shards=`` for TILED: a leaf's shard counts along its axes (what
   magma.sharding.tile_shards reads from the sharded parameters: report "tile_shards").
   """
   del leaf
-  spec = SQUARE[path[-1].key][1]
+  spec = TILED[path[-1].key][1]
   return tuple(1 if e is None else MESH_AXES[e] for e in spec)
 
 
@@ -170,25 +172,25 @@ def tile_transforms():
   """Per-shard compact tile storage (shards=): every device keeps its own tiles."""
   if "shards" not in inspect.signature(magma.sparse_state).parameters:
     return {}
-  kwargs = dict(mode="compact", density=0.5, block=(4, 4), shards=square_parts)
+  kwargs = dict(mode="compact", density=0.5, block=(4, 4), shards=tiled_parts)
 
   def masked(inner):
     return magma.periodic_mask(
-      inner, sparsity=0.5, every=2, block=(4, 4), shards=square_parts
+      inner, sparsity=0.5, every=2, block=(4, 4), shards=tiled_parts
     )
 
   # sparse_adam's storage is sparse_state's (the same classes); its tile step is
   # the part that differs (tests/test_sparse_state.py checks both on one device).
   return {
-    "sharded_tiles_sparse_adam": (masked(magma.sparse_adam(0.1, **kwargs)), SQUARE)
+    "sharded_tiles_sparse_adam": (masked(magma.sparse_adam(0.1, **kwargs)), TILED)
   }
 
 
 def tile_shards_report(mesh):
-  """magma.sharding.tile_shards of SQUARE's sharded parameters (and a stacked leaf
+  """magma.sharding.tile_shards of TILED's sharded parameters (and a stacked leaf
   whose spec is shorter than its rank), built from the arrays and from their
   shardings alone, by leaf name."""
-  layout = {**SQUARE, "stacked": ((2, 8, 16), P("x", "y"))}  # axes 0 and 1 split
+  layout = {**TILED, "stacked": ((2, 8, 16), P("x", "y"))}  # axes 0 and 1 split
   params = {
     n: jax.device_put(jnp.zeros(shape), NamedSharding(mesh, spec))
     for n, (shape, spec) in layout.items()

@@ -190,3 +190,21 @@ def alignment_chain_run(
     p = p + delta
     traj.append(p.copy())
   return traj
+
+
+def shard_parts(x, parts):
+  """A parameter's shard parts (what ``shards=`` splits): the last ``k =
+  len(parts)`` axes ``A_i`` -> ``(s_1, ..., s_k, ..., A_1 / s_1, ..., A_k / s_k)``."""
+  k = len(parts)
+  lead, split = x.shape[: x.ndim - k], x.shape[x.ndim - k :]
+  pieces = [d for s, a in zip(parts, split, strict=True) for d in (s, a // s)]
+  y = x.reshape(*lead, *pieces)
+  return np.moveaxis(y, [len(lead) + 2 * i for i in range(k)], list(range(k)))
+
+
+def join_shard_parts(x, k):
+  """The inverse of :func:`shard_parts` with ``k`` part axes."""
+  lead = x.shape[k : x.ndim - k]
+  y = np.moveaxis(x, list(range(k)), [len(lead) + 2 * i for i in range(k)])
+  pieces = y.shape[len(lead) :]
+  return y.reshape(*lead, *(pieces[2 * i] * pieces[2 * i + 1] for i in range(k)))

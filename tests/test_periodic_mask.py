@@ -6,6 +6,8 @@ import numpy as np
 import optax
 import pytest
 from _hlo import entry_copies
+from algorithm1 import join_shard_parts
+from algorithm1 import shard_parts
 
 import magma_optax as magma
 
@@ -617,23 +619,11 @@ def test_tile_masks_match_numpy(ranking):
   assert step._cache_size() == 1
 
 
-def np_parts(x, parts):
-  sr, sc = parts
-  *lead, a, b = x.shape
-  n = len(lead)
-  return np.moveaxis(x.reshape(*lead, sr, a // sr, sc, b // sc), (n, n + 2), (0, 1))
-
-
-def np_join(x):
-  sr, sc, *lead, a, b = x.shape
-  n = len(lead)
-  return np.moveaxis(x, (0, 1), (n, n + 2)).reshape(*lead, sr * a, sc * b)
-
-
 def test_tile_masks_balanced_over_shards_match_numpy():
   block = (2, 4)
   shapes = [(8, 16), (3, 4, 16)]
-  parts_of = {"p0": (2, 2), "p1": (1, 4)}  # a callable, as tile_shards gives
+  # A callable, as tile_shards gives; p1 also split along its stacking axis.
+  parts_of = {"p0": (2, 2), "p1": (3, 1, 2)}
   schedule = lambda count: jnp.asarray([0.5, 0.25, 0.75])[jnp.minimum(count // 2, 2)]
   tx = magma.periodic_mask(
     optax.sgd(0.1), sparsity=schedule, every=2, block=block,
@@ -648,17 +638,21 @@ def test_tile_masks_balanced_over_shards_match_numpy():
     updates, state = step(grads, state, params)
     for k, parts in parts_of.items():
       score = np.abs(np.asarray(params[k])) * np.abs(np.asarray(grads[k]))
-      tiles = np_parts(np_tile_sums(score, block), parts)
-      active = np_parts(np_tile_sums(old[k], block) > 0, parts)
+      tiles = shard_parts(np_tile_sums(score, block), parts)
+      active = shard_parts(np_tile_sums(old[k], block) > 0, parts)
       if t % 2:
         want = old[k]
       else:
         keep = np.empty(tiles.shape, bool)
-        for a, b in np.ndindex(*parts):
-          keep[a, b] = np_keep(tiles[a, b], active[a, b], float(schedule(t)))
-        want = np_untile(np_join(keep), block)
+        for i in np.ndindex(*parts):
+          keep[i] = np_keep(tiles[i], active[i], float(schedule(t)))
+        n = len(parts)
+        want = np_untile(join_shard_parts(keep, n), block)
         one_top_k = np_untile(
-          np_keep(np_join(tiles), np_join(active), float(schedule(t))), block
+          np_keep(
+            join_shard_parts(tiles, n), join_shard_parts(active, n), float(schedule(t))
+          ),
+          block,
         )
         balanced_differently |= not np.array_equal(want, one_top_k)
       np.testing.assert_array_equal(np.asarray(state.mask[k]), want, err_msg=k)

@@ -177,15 +177,20 @@ def test_per_shard_tile_storage_stays_on_its_devices(report):
   unsharded = [n for op, n in report["sparse"]["collectives"] if op == "all-reduce"]
   assert max(unsharded) >= 2 * 16, unsharded
   # The tile buffers (sr, sc, capacity, 4, 4) and their bits (sr, sc, bytes) are
-  # sharded like the parameter's last two axes, on Auto and on Explicit axes.
+  # sharded like the parameter's last two axes (all three for the stack of
+  # experts split along its stacking axis), on Auto and on Explicit axes.
   for run, cases in (("tiles", 1), ("explicit", 1)):
     assert report[run]["state_matches_helper"]
     specs = stored_specs(report[run], "sharded_tiles")
     for path, (spec, param_spec) in specs.items():
-      assert spec[:2] == param_spec and set(spec[2:]) == {"None"}, path
-    assert len(specs) == cases * 3 * 3  # per case mu, nu and bits of 3 leaves
-  # magma.sharding.tile_shards reads the same parts from the sharded parameters.
-  want = {"rows": [2, 1], "cols": [1, 4], "both": [2, 4], "stacked": [4, 1]}
+      k = len(param_spec)
+      assert spec[:k] == param_spec and set(spec[k:]) == {"None"}, path
+    assert len(specs) == cases * 3 * 4  # per case mu, nu and bits of 4 leaves
+    assert any(spec[0] == "y" for spec, _ in specs.values())  # the experts' axis 0
+  # magma.sharding.tile_shards reads the same parts from the sharded parameters:
+  # from the first split axis on.
+  want = {"rows": [2, 1], "cols": [1, 4], "both": [2, 4], "experts": [4, 1, 2]}
+  want["stacked"] = [2, 4, 1]
   assert report["tile_shards"] == {"arrays": want, "shardings": want}
 
 
@@ -246,7 +251,7 @@ def test_reshape_of_explicit_sharded_axes_keeps_them_on_the_major_piece():
   assert _compat.reshape(jnp.ones((2, 6)), (3, 4)).shape == (3, 4)  # unsharded
 
 
-def test_tile_shards_reads_the_last_two_axes():
+def test_tile_shards_reads_the_split_axes():
   # On one device every count is 1 (the 8-device run checks real counts:
   # test_per_shard_tile_storage_stays_on_its_devices).
   params = {

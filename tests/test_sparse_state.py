@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 from _hlo import entry_copies
+from algorithm1 import shard_parts
 from jax.sharding import AxisType
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -698,30 +699,22 @@ def test_tile_bad_block_raises():
   assert state.base_state[0].mu["b"].shape == (8,)
 
 
-def np_parts(x, parts):
-  """numpy split_parts: (..., A, B) -> (sr, sc, ..., A / sr, B / sc)."""
-  sr, sc = parts
-  *lead, a, b = x.shape
-  n = len(lead)
-  return np.moveaxis(x.reshape(*lead, sr, a // sr, sc, b // sc), (n, n + 2), (0, 1))
-
-
 @pytest.mark.parametrize(
-  "factory, mode",
+  "factory, mode, parts",
   [
-    ("sparse_state", "compact"),
-    ("sparse_state", "offload"),
-    ("sparse_adam", "compact"),
+    ("sparse_state", "compact", (2, 2)),
+    ("sparse_state", "offload", (2, 1, 2)),  # also split the stacking axis
+    ("sparse_adam", "compact", (2, 2, 2)),
   ],
 )
-def test_sharded_tiles_match_numpy_per_part(factory, mode):
-  shape, block, parts = (2, 8, 16), (2, 4), (2, 2)
+def test_sharded_tiles_match_numpy_per_part(factory, mode, parts):
+  shape, block = (2, 8, 16), (2, 4)
   r, c = block
   rng = np.random.default_rng(3)
   masks = tile_masks(rng, shape[:-2], (shape[-2] // r, shape[-1] // c), block, 6, 0.4)
-  per_part = [np_parts(m, parts)[:, :, :, ::r, ::c] for m in masks]  # tiles
-  tiles_per_part = per_part[0][0, 0].size
-  density = max(t[a, b].sum() for t in per_part for a in range(2) for b in range(2))
+  per_part = [shard_parts(m, parts)[..., ::r, ::c] for m in masks]  # tiles
+  tiles_per_part = per_part[0][(0,) * len(parts)].size
+  density = max(t[i].sum() for t in per_part for i in np.ndindex(*parts))
   density /= tiles_per_part
   kw = dict(mode=mode, density=density, block=block, shards=parts)
   kw["density_threshold"] = 1.0  # the densest part may hold most of its tiles
@@ -744,15 +737,14 @@ def test_sharded_tiles_match_numpy_per_part(factory, mode):
     # Each part stores its own active tiles in tile order, then empty slots.
     for name, ref in (("mu", mu_ref), ("nu", nu_ref)):
       got = np.asarray(getattr(state.base_state[0], name)["w"])
-      ref_parts, mask_parts = np_parts(ref, parts), np_parts(m, parts)
-      for a in range(2):
-        for b in range(2):
-          t = lambda x: x.reshape(-1, r, x.shape[-1] // c, c).swapaxes(1, 2)
-          tiles, active = t(ref_parts[a, b]), t(mask_parts[a, b])[:, :, 0, 0]
-          tiles, active = tiles.reshape(-1, r, c), active.reshape(-1)
-          n = int(active.sum())
-          np.testing.assert_allclose(got[a, b, :n], tiles[active], rtol=1e-5, atol=1e-8)
-          assert np.all(got[a, b, n:] == 0)
+      ref_parts, mask_parts = shard_parts(ref, parts), shard_parts(m, parts)
+      for i in np.ndindex(*parts):
+        t = lambda x: x.reshape(-1, r, x.shape[-1] // c, c).swapaxes(1, 2)
+        tiles, active = t(ref_parts[i]), t(mask_parts[i])[:, :, 0, 0]
+        tiles, active = tiles.reshape(-1, r, c), active.reshape(-1)
+        n = int(active.sum())
+        np.testing.assert_allclose(got[i][:n], tiles[active], rtol=1e-5, atol=1e-8)
+        assert np.all(got[i][n:] == 0)
   assert step._cache_size() == 1
 
 
@@ -869,6 +861,14 @@ def test_shards_arguments_are_checked():
     assert tx.init(params).base_state[0].mu["w"].shape == (4, 2, 2)
   tx = magma.sparse_state(adam, block=(2, 2), shards=lambda p, x: (2, 2), **kw)
   assert tx.init(params).base_state[0].mu["w"].shape == (2, 2, 1, 2, 2)
+  # Counts for more axes than the leaf has, or a stacking axis they do not divide.
+  with pytest.raises(ValueError, match=r"last 3 axes of leaf \['w'\] \(shape \(4, 8\)"):
+    magma.sparse_state(adam, block=(2, 2), shards=(1, 1, 1), **kw).init(params)
+  stacked = {"w": jnp.ones((3, 4, 8))}
+  with pytest.raises(ValueError, match=r"multiples of \(2, 2, 2\)"):
+    magma.sparse_state(adam, block=(2, 2), shards=(2, 1, 1), **kw).init(stacked)
+  tx = magma.sparse_state(adam, block=(2, 2), shards=(3, 1, 2), **kw)
+  assert tx.init(stacked).base_state[0].mu["w"].shape == (3, 1, 2, 2, 2, 2)
 
 
 @pytest.mark.skipif(
