@@ -127,12 +127,33 @@ def explicit_spec(x: Any) -> tuple[Any, ...] | None:
   return spec if any(e is not None for e in spec) else None
 
 
+def put_like(y: jax.Array, x: Any, spec: Any = None) -> jax.Array:
+  """``y`` sharded over ``x``'s ``Explicit`` mesh axes as ``spec`` (default: ``x``'s
+  partition spec), where ``x`` is sharded over them; elsewhere ``y`` unchanged.
+
+  Eager ``jnp.zeros`` / ``jnp.ones`` make replicated arrays, where a jitted step
+  gives the state the parameters' sharding types (a ``while_loop`` carry must keep
+  its type). Works outside a ``jax.set_mesh`` context too: an eager array is put on
+  ``x``'s concrete mesh, a traced one resharded in its abstract mesh.
+  """
+  x_spec = explicit_spec(x)
+  if x_spec is None:
+    return y
+  spec = jax.sharding.PartitionSpec(*(x_spec if spec is None else spec))
+  if not is_tracer(x) and not is_tracer(y) and hasattr(x, "sharding"):
+    return jax.device_put(y, x.sharding.update(spec=spec))
+  sharding = jax.typeof(x).sharding
+  with jax.sharding.use_abstract_mesh(sharding.mesh):
+    return jax.sharding.reshard(y, sharding.update(spec=spec))
+
+
 def reshape(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   """``x.reshape(shape)``, also where ``x`` is sharded over ``Explicit`` mesh axes.
 
   There JAX asks for the output sharding of a reshape that splits or merges a
   sharded axis. For reshapes made of splits and merges of neighbouring axes: a split
-  axis's mesh axes go to its major piece (which must hold them evenly), and merged
+  axis's mesh axes go to its major piece (the first of size > 1; the first for a
+  mesh axis of size 1; it must hold them evenly), and merged
   axes keep their major axis's, when the axes after it are unsharded -- the same
   blocks of entries on every device, no data moves. Anything else is left to JAX
   (which then raises its error).
@@ -158,7 +179,11 @@ def reshape(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     group = [None] * (min(j, len(dst)) - j0)
     if sharded:
       k = sharded[0]
-      majors = [d for d in range(j0, min(j, len(dst))) if dst[d] > 1]
+      # The major piece: the first of size > 1 -- or the first, for a mesh axis of
+      # size 1, which any piece holds (a split into (1, n) keeps it on the 1, as
+      # split_parts' part axes need).
+      one = mesh_axis_size(jax.typeof(x).sharding.mesh, spec[k]) == 1
+      majors = [d for d in range(j0, min(j, len(dst))) if dst[d] > 1 or one]
       if len(sharded) > 1 or any(src[m] > 1 for m in range(i0, k)) or not majors:
         return x.reshape(shape)  # not a plain split or merge: JAX decides
       group[majors[0] - j0] = spec[k]

@@ -300,8 +300,12 @@ def periodic_mask(
       if p.layout is not None and block is not None:
         _topk.check_tiles(jnp.shape(x), block, jax.tree_util.keystr(path))
     for parts, (path, x) in zip(parts_of(plans, params), paths_leaves, strict=True):
-      if parts is not None and final is not None:
-        check_parts_keep(parts, jnp.shape(x), jax.tree_util.keystr(path))
+      if parts is None:
+        continue
+      name = jax.tree_util.keystr(path)
+      _topk.check_parts_on_devices(x, parts, "periodic_mask", name)
+      if final is not None:
+        check_parts_keep(parts, jnp.shape(x), name)
     if structure is None:
       return
     m = structure[1]
@@ -338,8 +342,11 @@ def periodic_mask(
     plans, treedef = plan(params)
     leaves = treedef.flatten_up_to(params)
     check_structure(plans, params)
+    # Sharded like the parameters on Explicit axes (the step gives them that type).
     masks = [
-      optax.MaskedNode() if p.layout is None else jnp.ones(jnp.shape(x), jnp.bool_)
+      optax.MaskedNode()
+      if p.layout is None
+      else _compat.put_like(jnp.ones(jnp.shape(x), jnp.bool_), x)
       for p, x in zip(plans, leaves, strict=True)
     ]
     return PeriodicMaskState(
@@ -405,6 +412,12 @@ def periodic_mask(
     grads = treedef.flatten_up_to(updates)
     parts = parts_of(plans, updates)
     param_leaves = treedef.flatten_up_to(params)
+    paths = jax.tree_util.tree_flatten_with_path(updates)[0]
+    for i, p in enumerate(parts):
+      if p is not None:
+        name = jax.tree_util.keystr(paths[i][0])
+        for x in (grads[i], param_leaves[i]):
+          _topk.check_parts_on_devices(x, p, "periodic_mask", name)
     old = treedef.flatten_up_to(state.mask)
     count = state.count
     is_refresh = (count >= start) & ((count - start) % every == 0)

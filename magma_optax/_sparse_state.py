@@ -22,7 +22,12 @@ transform). Per scoped leaf, one of two storages is used:
   0.12 when the jitted step's first call succeeded (an overflow at a later
   refresh), as a ``ValueError`` with that text: JAX's dispatch decides, so catch
   both. (With donated buffers the donated inputs are gone too: to debug, run one
-  step without jit.)
+  step without jit.) **On several devices** the callback runs on one device only
+  while the others wait for it at the step's next collective, and XLA:CPU then
+  aborts the process after its collective timeout, having printed the message
+  (checked on 8 forced CPU devices; on GPUs the wait may not end). There, size
+  ``density`` with margin, keep masks balanced with ``periodic_mask(..., shards=)``
+  and run a first step of each new configuration on one device or outside jit.
   Size ``density`` for the *densest* mask of the run: under a sparsity ramp the early
   masks are dense, so use skip storage until the ramp ends (or start sparse).
   When the mask changes, moments of entries that stay active move to their new slot
@@ -812,8 +817,8 @@ class _ShardedTiles(_Storage):
     spec = _compat.explicit_spec(x)
     if spec is None:
       return stored
-    parts = jax.sharding.PartitionSpec(*spec[len(spec) - len(self.parts) :])
-    return jax.sharding.reshard(stored, jax.typeof(x).sharding.update(spec=parts))
+    self._check_explicit(x)
+    return _compat.put_like(stored, x, spec[len(spec) - len(self.parts) :])
 
   def param_axes(self, ndim: int) -> tuple[int | None, ...]:
     """The parameter axes that the stored arrays' leading axes index (the parts),
@@ -822,23 +827,7 @@ class _ShardedTiles(_Storage):
 
   def _check_explicit(self, x):
     """Under ``Explicit`` mesh axes every part must lie on one device."""
-    spec = _compat.explicit_spec(x)
-    if spec is None:
-      return
-    mesh = jax.typeof(x).sharding.mesh
-    k = len(self.parts)
-    counts = tuple(_compat.mesh_axis_size(mesh, e) for e in spec[len(spec) - k :])
-    if any(e is not None for e in spec[: len(spec) - k]) or any(
-      p % n for p, n in zip(self.parts, counts, strict=True)
-    ):
-      raise ValueError(
-        f"sparse_state: per-shard tile storage splits leaf {self.name} into"
-        f" shards={self.parts} parts of its last {k} axes, but the leaf is sharded"
-        f" over Explicit mesh axes as {jax.sharding.PartitionSpec(*spec)}: every"
-        f" part must lie on one device, so shard only the last {k} axes, into"
-        " numbers of pieces that divide the parts (shards="
-        "magma.sharding.tile_shards(params) gives them)."
-      )
+    _topk.check_parts_on_devices(x, self.parts, "sparse_state", self.name)
 
   def per_part(self, fn, *args, in_axes=0, order=None):
     """``vmap(...(vmap(fn)))(*args)`` over the parts (the leading ``k`` axes);

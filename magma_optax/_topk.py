@@ -388,11 +388,14 @@ def _positive_ints(value: Any, message: str, size: int | None = 2) -> tuple[int,
   ok = (
     isinstance(value, tuple | list)
     and (len(value) == size if size is not None else len(value) >= 2)
-    and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value)
+    and all(
+      isinstance(v, int | np.integer) and not isinstance(v, bool | np.bool_) and v >= 1
+      for v in value
+    )
   )
   if not ok:
     raise ValueError(message)
-  return tuple(value)
+  return tuple(int(v) for v in value)
 
 
 def validate_block(block: Any) -> tuple[int, int]:
@@ -470,7 +473,7 @@ def leaf_shards(
   shards: Any, path: Any, leaf: Any, block: tuple[int, int], name: str
 ) -> tuple[int, ...] | None:
   """A leaf's parts of its tile grid (counts for its last ``k`` axes), or ``None``
-  for one part.
+  for one part (unless the leaf is sharded over ``Explicit`` mesh axes).
 
   Each part must hold whole tiles: the last two axes are multiples of ``sr * r``
   and ``sc * c``, the axes before them multiples of their counts (a ``ValueError``
@@ -484,17 +487,25 @@ def leaf_shards(
   parts = _shard_counts(parts, f"shards for leaf {name}")
   shape = tuple(jnp.shape(leaf))
   r, c = block
+  if len(shape) < len(parts):
+    raise ValueError(
+      f"shards={parts} gives counts for the last {len(parts)} axes, but leaf {name}"
+      f" has {len(shape)} (shape {shape}); give each leaf its counts with a"
+      " callable (path, leaf) -> counts, e.g. magma.sharding.tile_shards(params)."
+    )
   need = (*parts[:-2], parts[-2] * r, parts[-1] * c)
-  if len(shape) < len(parts) or any(
-    n % k for n, k in zip(shape[len(shape) - len(parts) :], need, strict=True)
-  ):
+  if any(n % k for n, k in zip(shape[len(shape) - len(parts) :], need, strict=True)):
     sizes = " x ".join(map(str, parts))
     raise ValueError(
       f"shards={parts} splits the last {len(parts)} axes of leaf {name} (shape"
       f" {shape}) into {sizes} parts of whole {r}x{c} tiles, so they must be"
       f" multiples of {need}."
     )
-  return None if all(k == 1 for k in parts) else parts
+  if all(k == 1 for k in parts) and _compat.explicit_spec(leaf) is None:
+    return None  # one part: the leaf's plain tile storage
+  # (On Explicit axes, even of size 1, one part is kept as parts: its per-part
+  # work runs with the axes as Auto, where the plain storage is refused.)
+  return parts
 
 
 def split_parts(x: jax.Array, parts: tuple[int, ...]) -> jax.Array:
@@ -518,3 +529,29 @@ def join_parts(x: jax.Array, k: int) -> jax.Array:
   return _compat.reshape(
     x, (*lead, *(pieces[2 * i] * pieces[2 * i + 1] for i in range(k)))
   )
+
+
+def check_parts_on_devices(x: Any, parts: tuple[int, ...], who: str, name: str):
+  """Under ``Explicit`` mesh axes every part of ``x`` must lie on one device: the
+  axes that ``parts`` does not count name no mesh axis (not even one of size 1:
+  the parts' sharding types must match the parameter's), and each counted axis is
+  split into a number of pieces that divides its count (a ``ValueError`` that says
+  so otherwise; elsewhere nothing to check)."""
+  spec = _compat.explicit_spec(x)
+  if spec is None:
+    return
+  mesh = jax.typeof(x).sharding.mesh
+  counts = [_compat.mesh_axis_size(mesh, e) for e in spec]
+  k = len(parts)
+  split = counts[len(counts) - k :]
+  if any(e is not None for e in spec[: len(spec) - k]) or any(
+    p % n for p, n in zip(parts, split, strict=True)
+  ):
+    raise ValueError(
+      f"{who}: shards={parts} splits the last {k} axes of leaf {name} into parts,"
+      f" but the leaf is sharded over Explicit mesh axes as"
+      f" {jax.sharding.PartitionSpec(*spec)} ({' x '.join(map(str, counts))}"
+      " pieces): every part must lie on one device, so give counts for every axis"
+      " the spec names, each a multiple of its number of pieces (shards="
+      "magma.sharding.tile_shards(params) gives them)."
+    )

@@ -309,11 +309,11 @@ def tile_shards(params: Any) -> Callable[[Any, Any], tuple[int, ...] | None]:
   :func:`magma_optax.sparse_adam` with ``block=(r, c)``: a leaf whose
   ``NamedSharding`` splits axis -2 ``sr`` ways and axis -1 ``sc`` ways gets ``(sr,
   sc)``, so its mask keeps as many tiles in every shard and its tile storage is
-  kept per shard, sharded like the parameter. A leaf also split along an axis
+  kept per shard, sharded like the parameter. A leaf also sharded along an axis
   before the last two (a stack of experts or layers) gets the counts of every axis
-  from the first split one on, e.g. ``(4, 1, 2)`` for ``P("e", None, "x")`` with
-  ``e`` of size 4 and ``x`` of size 2. Leaves of fewer than two axes get ``None``
-  (one part).
+  from the first one its spec names on, e.g. ``(4, 1, 2)`` for ``P("e", None,
+  "x")`` with ``e`` of size 4 and ``x`` of size 2. Leaves of fewer than two axes
+  get ``None`` (one part).
 
   Args:
     params: the parameter tree the optimizer is applied to (the same paths):
@@ -367,7 +367,9 @@ def tile_shards(params: Any) -> Callable[[Any, Any], tuple[int, ...] | None]:
       return None
     spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
     counts = [_compat.mesh_axis_size(sharding.mesh, e) for e in spec]
-    first = next((i for i, n in enumerate(counts) if n > 1), ndim)
+    # From the first axis the spec names (a size-1 mesh axis too: the parts keep
+    # the parameter's sharding type).
+    first = next((i for i, e in enumerate(spec) if e is not None), ndim)
     return tuple(counts[min(first, ndim - 2) :])
 
   return shards

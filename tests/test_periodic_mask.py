@@ -726,3 +726,25 @@ def test_tile_arguments_and_shapes_are_checked():
   u, state = jax.jit(tx.update)(params, tx.init(params), params)
   assert int(np.asarray(state.mask["w"]).sum()) == 16
   assert u["e"].shape == (0, 8)  # zero-size leaves tile trivially
+
+
+def test_shards_on_explicit_axes_are_checked_at_init_and_keep_the_masks_sharded():
+  # A (1, 1) mesh of Explicit axes (no jax.set_mesh: the arrays' mesh is used).
+  P = jax.sharding.PartitionSpec
+  explicit = (jax.sharding.AxisType.Explicit,) * 2
+  mesh = jax.make_mesh((1, 1), ("x", "y"), axis_types=explicit)
+  sharding = jax.sharding.NamedSharding(mesh, P("x", None, None))
+  params = {"w": jax.device_put(jnp.arange(128.0).reshape(2, 8, 8), sharding)}
+  kw = dict(sparsity=0.5, every=1, block=(2, 2))
+  # The leading axis is sharded but not counted: its parts would span devices.
+  with pytest.raises(ValueError, match="every part must lie on one device"):
+    magma.periodic_mask(optax.sgd(0.1), shards=(2, 2), **kw).init(params)
+  tx = magma.periodic_mask(optax.sgd(0.1), shards=(1, 2, 2), **kw)
+  state = tx.init(params)  # plain init: the mask gets the parameter's type
+  assert jax.typeof(state.mask["w"]).sharding.spec == P("x", None, None)
+  step = jax.jit(tx.update)
+  for _ in range(2):  # the refresh loop's carry keeps its type
+    _, state = step(params, state, params)
+  # Parts (2, 4, 4) of 8 tiles, 4 kept in each: 16 entries.
+  per_part = np.asarray(state.mask["w"]).reshape(2, 2, 4, 2, 4).sum(axis=(0, 2, 4))
+  np.testing.assert_array_equal(per_part, np.full((2, 2), 16))

@@ -240,7 +240,10 @@ def test_reshape_of_explicit_sharded_axes_keeps_them_on_the_major_piece():
   cases = [  # new shape, the spec it gets
     ((2, 4, 8), P("x", None, "y")),  # split: the major piece keeps the axes
     ((2, 4, 2, 4), P("x", None, "y", None)),
-    ((8, 1, 8, 1), P("x", None, "y", None)),  # size-1 axes inserted
+    # Size-1 axes inserted: a mesh axis of size 1 goes to the first piece, size 1
+    # or not (split_parts' part axes of count 1 keep it so).
+    ((8, 1, 8, 1), P("x", "y", None, None)),
+    ((1, 8, 8), P("x", None, "y")),
   ]
   for shape, spec in cases:
     y = jax.jit(lambda x, shape=shape: _compat.reshape(x, shape))(x)
@@ -259,7 +262,8 @@ def test_tile_shards_reads_the_split_axes():
     "b": _abstract((8, 16), P("x")),
     "c": _abstract((16,), P("y")),
   }
-  want = {"['a']": (1, 1), "['b']": (1, 1), "['c']": None}  # a (1, 1) mesh
+  # A (1, 1) mesh: counts from the first axis the spec names.
+  want = {"['a']": (1, 1, 1), "['b']": (1, 1), "['c']": None}
   from_arrays = magma.sharding.tile_shards(params)
   shardings = jax.tree.map(lambda x: x.sharding, params)
   from_shardings = magma.sharding.tile_shards(shardings)

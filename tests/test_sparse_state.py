@@ -798,7 +798,26 @@ def test_sharded_tiles_need_each_part_on_one_device_under_explicit_axes():
         assert int(jnp.sum(u["w"] != 0)) == int(mask.sum())
       else:
         with pytest.raises(ValueError, match="every part must lie on one device"):
-          step(params, tx.init(params), m)
+          step(params, tx.init(params), m)  # (raised by init)
+    # Counts for every axis the spec names (here of size 1), as tile_shards gives
+    # them: parts along the leading axis too, also where all counts are 1.
+    sharding = NamedSharding(mesh, P("x", None, "y"))
+    params = {"w": jax.device_put(jnp.ones((2, 8, 8)), sharding)}
+    m = {"w": jax.device_put(mask, sharding)}
+    assert magma.sharding.tile_shards(params)((jax.tree_util.DictKey("w"),), None) == (
+      1,
+      1,
+      1,
+    )
+    for shards in ((2, 2, 2), magma.sharding.tile_shards(params)):
+      tx = magma.sparse_state(
+        optax.adam(LR), mode="compact", density=0.5, block=(2, 2), shards=shards
+      )
+      u, _ = jax.jit(lambda p, s, m, tx=tx: tx.update(p, s, p, param_mask=m))(
+        params, tx.init(params), m
+      )
+      assert jax.typeof(u["w"]).sharding.spec == P("x", None, "y")
+      assert int(jnp.sum(u["w"] != 0)) == int(mask.sum())
 
 
 def test_a_state_built_with_other_storage_arguments_is_refused_clearly():
@@ -846,9 +865,14 @@ def test_shards_arguments_are_checked():
     magma.sparse_state(adam, shards=(2, 1), **kw)
   with pytest.raises(ValueError, match="give block too"):
     magma.sparse_adam(LR, shards=(2, 1), **kw)
-  for bad in ((0, 1), (2,), (2.0, 1), (True, 1), "x"):
+  for bad in ((0, 1), (2,), (2.0, 1), (True, 1), (np.bool_(True), 1), "x"):
     with pytest.raises(ValueError, match="shards must be"):
       magma.sparse_state(adam, block=(2, 2), shards=bad, **kw)
+  numpy_ints = magma.sparse_state(adam, block=(2, 2), shards=(np.int64(2), 1), **kw)
+  assert numpy_ints.init({"w": jnp.ones((4, 8))}).base_state[0].mu["w"].shape[:2] == (
+    2,
+    1,
+  )
   params = {"w": jnp.ones((4, 8))}
   with pytest.raises(ValueError, match=r"leaf \['w'\] .* multiples of \(8, 2\)"):
     magma.sparse_state(adam, block=(2, 2), shards=(4, 1), **kw).init(params)
@@ -862,7 +886,9 @@ def test_shards_arguments_are_checked():
   tx = magma.sparse_state(adam, block=(2, 2), shards=lambda p, x: (2, 2), **kw)
   assert tx.init(params).base_state[0].mu["w"].shape == (2, 2, 1, 2, 2)
   # Counts for more axes than the leaf has, or a stacking axis they do not divide.
-  with pytest.raises(ValueError, match=r"last 3 axes of leaf \['w'\] \(shape \(4, 8\)"):
+  with pytest.raises(
+    ValueError, match=r"last 3 axes, but leaf \['w'\] has 2 \(shape \(4, 8\)"
+  ):
     magma.sparse_state(adam, block=(2, 2), shards=(1, 1, 1), **kw).init(params)
   stacked = {"w": jnp.ones((3, 4, 8))}
   with pytest.raises(ValueError, match=r"multiples of \(2, 2, 2\)"):
