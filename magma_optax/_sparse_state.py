@@ -22,12 +22,13 @@ transform). Per scoped leaf, one of two storages is used:
   0.12 when the jitted step's first call succeeded (an overflow at a later
   refresh), as a ``ValueError`` with that text: JAX's dispatch decides, so catch
   both. (With donated buffers the donated inputs are gone too: to debug, run one
-  step without jit.) **On several devices** the callback runs on one device only
-  while the others wait for it at the step's next collective, and XLA:CPU then
-  aborts the process after its collective timeout, having printed the message
-  (checked on 8 forced CPU devices; on GPUs the wait may not end). There, size
-  ``density`` with margin, keep masks balanced with ``periodic_mask(..., shards=)``
-  and run a first step of each new configuration on one device or outside jit.
+  step without jit.) **On several devices**, run the step inside ``jax.set_mesh``
+  (as Explicit axes need anyway): the check then runs on every device (a
+  ``shard_map`` over the mesh) and the error is raised as on one device (checked
+  on 8 forced CPU devices, Auto and Explicit axes). Without a mesh context the
+  callback runs on one device while the others wait for it at the step's next
+  collective, and XLA:CPU aborts the process after its 40 s collective timeout,
+  having printed the message (on GPUs the wait may not end).
   Size ``density`` for the *densest* mask of the run: under a sparsity ramp the early
   masks are dense, so use skip storage until the ramp ends (or start sparse).
   When the mask changes, moments of entries that stay active move to their new slot
@@ -416,7 +417,10 @@ def _raise_any(checks: list[_Check]) -> jax.Array | None:
 
   Returns ``None``, or under ``jax.jit`` an int32 zero that the caller must fold
   into the step's outputs: the callback is a ``jax.pure_callback`` inside one
-  ``lax.cond`` for all leaves, kept alive by that data dependency. (A
+  ``lax.cond`` for all leaves, kept alive by that data dependency; under a
+  ``jax.set_mesh`` context of several devices, inside a ``shard_map`` over it, so
+  that every device raises (a callback of one device would leave the others
+  waiting at the next collective). (A
   ``jax.debug.callback`` is an effect: JAX then waits for every step before
   dispatching the next, which cost tile storage ~0.5x of an Adam step on XLA:CPU.)
   """
@@ -438,11 +442,27 @@ def _raise_any(checks: list[_Check]) -> jax.Array | None:
   values = [v for c in checks for v in c.values]
   if any(_compat.is_tracer(x) for x in (bads, *values)):
     out = jax.ShapeDtypeStruct((), jnp.int32)
-    return jax.lax.cond(
-      jnp.any(bads),
-      lambda: jax.pure_callback(fail, out, bads, *values, vmap_method="sequential"),
-      lambda: jnp.zeros([], jnp.int32),
-    )
+
+    def check(bads, *values):
+      return jax.lax.cond(
+        jnp.any(bads),
+        lambda: jax.pure_callback(fail, out, bads, *values, vmap_method="sequential"),
+        lambda: jnp.zeros([], jnp.int32),
+      )
+
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = jax.sharding.AxisType.Manual
+    if not mesh.empty and mesh.size > 1 and manual not in mesh.axis_types:
+      # Under a mesh a callback runs on one device, and the others wait for it at
+      # the step's next collective: XLA:CPU aborts the process after 40 s. In a
+      # shard_map over the whole mesh every device runs the check, and all of
+      # them fail together (a JaxRuntimeError, as on one device).
+      check = jax.shard_map(
+        check, mesh=mesh, in_specs=jax.sharding.PartitionSpec(),
+        out_specs=jax.sharding.PartitionSpec(), check_vma=False,
+      )  # fmt: skip
+    values = [jnp.asarray(v) for v in values]
+    return check(bads, *values)
   if bool(jnp.any(bads)):
     fail([bool(b) for b in bads], *values)
   return None

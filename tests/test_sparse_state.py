@@ -975,3 +975,53 @@ def test_reverse_mode_through_unrolled_compact_steps():
     h, value = 1e-3, jax.jit(functools.partial(loss, **kw))  # one compile, two calls
     want = (float(value(0.01 + h)) - float(value(0.01 - h))) / (2 * h)
     np.testing.assert_allclose(got, want, rtol=2e-2)
+
+
+OVERFLOW_ON_8_DEVICES = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+import magma_optax as magma
+for axis_type in (AxisType.Auto, AxisType.Explicit):
+  mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(axis_type,) * 2)
+  sharding = NamedSharding(mesh, P("x", "y"))
+  with jax.set_mesh(mesh):
+    p = {"w": jax.device_put(jnp.ones((8, 16)), sharding)}
+    shards = magma.sharding.tile_shards(p)
+    kw = dict(mode="compact", density=0.25, block=(2, 2), shards=shards)
+    tx = magma.sparse_adam(0.1, **kw)
+    state, step = magma.sharding.init(tx, p), jax.jit(tx.update)
+    masks = np.zeros((2, 8, 16), bool)
+    masks[0, :4, :4] = True  # 4 tiles in part (0, 0), which holds 1
+    for a in range(2):  # 1 tile per part: fits
+      for b in range(4):
+        masks[1, 4 * a : 4 * a + 2, 4 * b : 4 * b + 2] = True
+    bad, good = (jax.device_put(jnp.asarray(m), sharding) for m in masks)
+    try:
+      jax.block_until_ready(step(p, state, p, param_mask={"w": bad}))
+      raise SystemExit("no error")
+    except Exception as e:
+      assert "part (0, 0) of the 2x4 shard parts" in str(e), str(e)[-500:]
+    u, _ = step(p, state, p, param_mask={"w": good})  # the runtime still works
+    assert int(jnp.sum(u["w"] != 0)) == 8 * 4
+print("raised on every device")
+"""
+
+
+def test_capacity_overflow_on_several_devices_is_an_error_not_an_abort():
+  # A host callback runs on one device: the check's cond would leave the other
+  # devices waiting at the next collective (XLA:CPU aborts after 40 s). Under
+  # jax.set_mesh every device runs the check (shard_map) and all raise together.
+  import subprocess
+  import sys
+
+  run = subprocess.run(
+    [sys.executable, "-c", OVERFLOW_ON_8_DEVICES],
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert "raised on every device" in run.stdout
