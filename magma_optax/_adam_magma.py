@@ -16,7 +16,14 @@ The state keeps Adam's ``count``, ``mu`` and ``nu`` (found by name, as for
 no extra pass over mu) and an :class:`AlignmentMaskState` (scores, last mask, active
 fractions), so :func:`magma_optax.mask_stats` reads it unchanged. If you edit ``mu``
 outside the optimizer, update ``mu_sq_norm`` too (a step with ``param_mask`` given
-recomputes it).
+recomputes it; so does a step after one whose float32 ``||mu||^2`` overflowed).
+
+Each step runs in two halves (:func:`kernels.start_masked_adam`, then
+:func:`kernels.finish_masked_adam`): first every leaf's block sums, then -- only
+where a block's float32 sums are not finite, in one branch for the whole tree --
+those blocks recomputed rescaled (``_alignment.settle_sums``), then the scores and
+the scaled updates. So the cosines are exact for every block of finite entries, as
+in ``magma(optax.adam)``.
 
 Extra arg ``param_mask`` (a pytree of bools like the params, ``None`` leaves allowed):
 entries where it is False do not exist -- their moments are frozen, their update is 0
@@ -25,7 +32,6 @@ and they are left out of the cosine -- the convention of ``magma.periodic_mask``
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
@@ -268,50 +274,53 @@ def adam_magma(
     blank = [optax.MaskedNode()] * len(grads)
     old_scores = treedef.flatten_up_to(mask_state.scores) if plans else blank
     old_norms = treedef.flatten_up_to(state.mu_sq_norm) if plans else blank
-    lost, now_norms, mus = _norms_after_overflow(plans, old_norms, mus, grads, pms, b1)
+    # First half for every leaf: the step's block sums (scoped leaves) ...
+    pending = []
+    for i, plan in enumerate(plans):
+      pending.append(
+        kernels.start_masked_adam(
+          grads[i],
+          mus[i],
+          nus[i],
+          count=count_inc,
+          learning_rate=lr,
+          b1=b1,
+          b2=b2,
+          eps=eps,
+          eps_root=eps_root,
+          weight_decay=wd,
+          params=ps[i],
+          param_mask=pms[i],
+          layout=plan.layout,
+          implementation=implementation,
+          interpret=interpret,
+          block_sizes=block_sizes,
+          with_sums=plan.layout is not None,
+          mu_sq_norm_prev=None if plan.layout is None else old_norms[i],
+        )
+      )
+    # ... the blocks whose float32 sums are not finite (an overflow, or a carry
+    # lost to one) recomputed exactly, in one branch for the whole tree ...
+    pending, sums, norms = _settle(pending, b1)
+    # ... then the scores, and the second half: the scaled updates.
     out, new_mu, new_nu, new_scores, new_norms = [], [], [], [], []
     for i, plan in enumerate(plans):
-      layout, scale, score = plan.layout, None, None
-      if layout is not None:
-        # One pure function of this step's sums: the kernel calls it to scale the
-        # update, and it is called again on the sums the kernel returns (the same
-        # ones) for the state; XLA computes it once.
-        score = functools.partial(
-          _score, rule, old_scores[i], count, lost[i], now_norms[i]
-        )
-        scale = lambda *sums, score=score, z=masks[i]: score(sums) * z
-      res = kernels.masked_adam(
-        grads[i],
-        mus[i],
-        nus[i],
-        count=count_inc,
-        learning_rate=lr,
-        b1=b1,
-        b2=b2,
-        eps=eps,
-        eps_root=eps_root,
-        weight_decay=wd,
-        params=ps[i],
-        param_mask=pms[i],
-        scale=scale,
-        layout=layout,
-        implementation=implementation,
-        interpret=interpret,
-        block_sizes=block_sizes,
-        # Where the carry is lost this is now_norms' (the carry elsewhere): the
-        # state's carry buffer is then read once, by the loop.
-        mu_sq_norm_prev=now_norms[i],
-      )
-      if layout is None:
+      scale = score = None
+      if plan.layout is not None:
+        cos = _alignment.cosine_from_sums(*sums[i])
+        score = rule.score(old_scores[i], cos, count)
+        scale = score * masks[i]
+      res = kernels.finish_masked_adam(pending[i], scale)
+      if plan.layout is None:
         new_norms.append(optax.MaskedNode())
         new_scores.append(optax.MaskedNode())
       else:
         if pms[i] is None:
-          norm = jnp.where(lost[i], now_norms[i], res.mu_sq_norm)
+          norm = norms[i]
         else:  # the sums covered existing entries only; the carry needs all
-          norm = layout.block_sum(jnp.square(res.mu.astype(jnp.float32)))
+          norm = plan.layout.block_sum(jnp.square(res.mu.astype(jnp.float32)))
         new_norms.append(norm)
-        new_scores.append(score((res.mu_dot_grad, res.mu_sq_norm, res.grad_sq_norm)))
+        new_scores.append(score)
       out.append(res.update)
       new_mu.append(res.mu)
       new_nu.append(res.nu)
@@ -335,64 +344,52 @@ def adam_magma(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _norms_after_overflow(plans, norms, mus, grads, pms, b1):
-  """Per scoped leaf where the carried ``||m||^2`` is not finite (``lost``), and
-  ``||m_t||^2`` summed directly there (elsewhere the carry itself, from which the
-  kernel derives ``||m_t||^2``); returns ``(lost, norms, mus)``: use these
-  ``mus`` from here on.
+def _settle(pending: list[Any], b1: float) -> tuple[list[Any], list[Any], list[Any]]:
+  """The scoped leaves' sums with non-finite blocks made exact; the carries.
 
-  A float32 sum that overflowed on the previous step (finite entries beyond about
-  ``1e19 / sqrt(block size)``) leaves the carry NaN or inf. Deriving this step's
-  ``||m_t||^2`` from it (``kernels.carried_sums``, or from ``||m_{t-1}||^2`` on the
-  Pallas path) then fails too -- for good, with a carry -- even where ``m_t`` no
-  longer overflows, so the score would stay frozen or fall behind
-  ``magma(adam)``'s, which sums ``m_t`` directly. Here those blocks are summed
-  from ``m_t = b1 m + (1 - b1) g`` (what the step computes) in one loop of zero or
-  one step for the whole tree (ordinary steps pay one test of the small carries,
-  not a branch per leaf). The moments it reads pass through the loop's carry: read
-  from outside, XLA would copy them before the step overwrites their donated
-  buffers.
+  Returns ``(pending, sums, norms)`` per leaf (``None`` for unscoped leaves):
+  ``pending`` to finish the step with, the sums for the cosine
+  (:func:`_alignment.settle_sums`: exact wherever the block's entries are finite)
+  and ``||m_t||^2`` to carry (summed directly where the carried one was lost).
+
+  A float32 sum that overflows (entries beyond about ``1e19 / sqrt(block size)``)
+  also leaves the carry ``||m||^2`` inf or NaN, and ``kernels.carried_sums`` (or
+  ``derived_sums``, from ``||m_{t-1}||^2``) NaN from then on: those blocks are
+  recomputed from ``m_t`` and ``g`` too, as ``magma(adam)`` sums them. The XLA
+  path has ``m_t`` already; the Pallas path computes it there from ``m_{t-1}``,
+  whose donated buffer the kernel overwrites later: it passes through the loop.
   """
-  scoped = [i for i, plan in enumerate(plans) if plan.layout is not None]
+  scoped = [i for i, p in enumerate(pending) if p.sums is not None]
+  sums, norms = [None] * len(pending), [None] * len(pending)
   if not scoped:
-    return [None] * len(plans), [None] * len(plans), mus
-  kept = [jnp.asarray(norms[i], jnp.float32) for i in scoped]
-  lost = [~jnp.isfinite(n) for n in kept]
+    return pending, sums, norms
+  # The Pallas leaves' m_{t-1}, which the loop reads and the kernel overwrites.
+  carried = [i for i in scoped if pending[i].moments is None]
 
-  def direct(carry):
-    fresh, flags, ms = carry
+  def vectors(mus):
+    mus = dict(zip(carried, mus, strict=True))
     out = []
-    for j, i in enumerate(scoped):
-      g = grads[i].astype(jnp.float32)
-      m = ((1 - b1) * g + b1 * ms[j].astype(jnp.float32)).astype(ms[j].dtype)
-      m = m.astype(jnp.float32)
-      if pms[i] is not None:
-        m = jnp.where(pms[i], m, 0.0)
-      out.append(jnp.where(flags[j], plans[i].layout.block_sum(m * m), fresh[j]))
-    # Through a barrier: an element the loop passes on untouched would be hoisted
-    # out of it as an invariant, and copied again.
-    return out, *jax.lax.optimization_barrier((flags, ms))
+    for i in scoped:
+      p = pending[i]
+      g = p.grad.astype(jnp.float32)
+      if p.moments is not None:  # XLA: m_t, already computed
+        m = p.moments[0].astype(p.mu.dtype)
+      else:
+        m = ((1 - b1) * g + b1 * mus[i].astype(jnp.float32)).astype(p.mu.dtype)
+      out.append((m, g, p.param_mask))
+    return out
 
-  # The flags pass through the loop too: computed from the carry outside it, XLA
-  # fuses the test into their later uses, which then read the carry's buffer
-  # after the loop rewrote it in place (a copy per leaf).
-  any_lost = jnp.any(jnp.stack([jnp.any(x) for x in lost]))
-  fresh, lost, ms = _trees.run_if(
-    any_lost, direct, (kept, lost, [mus[i] for i in scoped])
+  settled, plain, mus = _alignment.settle_sums(
+    [pending[i].layout for i in scoped],
+    [pending[i].sums for i in scoped],
+    vectors,
+    [pending[i].mu for i in carried],
+    direct=False,  # ||m_t||^2 comes from a carry (or m_{t-1}): sum it again
   )
-  out, where, mus = [None] * len(plans), [None] * len(plans), list(mus)
+  pending = list(pending)
+  for i, mu in zip(carried, mus, strict=True):
+    pending[i] = pending[i]._replace(mu=mu)
   for j, i in enumerate(scoped):
-    out[i], where[i], mus[i] = fresh[j], lost[j], ms[j]
-  return where, out, mus
-
-
-def _score(rule, prev, count, lost, now_norm, sums) -> jax.Array:
-  """Magma's new block scores from this step's sums (<m_t, g>, ||m_t||^2, ||g||^2).
-
-  Where the float32 sums overflowed (finite entries beyond about ``1e19 /
-  sqrt(block size)``) or met an inf or NaN, the cosine is NaN and the block keeps
-  its score, as in ``magma(optax.adam)``.
-  """
-  dot, mm, gg = sums
-  mm = jnp.where(lost, now_norm, mm)  # summed directly after an overflow
-  return rule.score(prev, _alignment.cosine_from_sums(dot, mm, gg), count)
+    pending[i] = pending[i]._replace(sums=settled[j])
+    sums[i], norms[i] = settled[j], plain[j]
+  return pending, sums, norms

@@ -13,6 +13,20 @@ Cosines and scores are computed in float32 whatever the parameter dtype; the out
 keeps the update's dtype. :func:`alignment_mask` applies this to whatever flows through
 it (its own EMA of the incoming updates is the momentum); :func:`magma_optax.magma`
 applies it to a base optimizer's update with the base's own first moment.
+
+**Exact cosines for every finite block.** The block sums ``<a, b>``, ``||a||^2``,
+``||b||^2`` are float32 and overflow once entries pass about ``1.8e19 / sqrt(block
+size)``. Such a block is not given up: its sums are recomputed with the overflowing
+vector divided by ``2**80`` (a power of two: exact), which keeps every finite float32
+entry's square and a sum of up to ``2**31`` of them below float32's maximum, while the
+entries that overflowed stay normal numbers (:func:`exact_sums`). The cosine is
+invariant to those scalings, so it is exact to float32 rounding for every block of
+finite entries. Ordinary steps pay nothing for this: :func:`settle_sums` recomputes
+the blocks whose plain sums are not finite in one loop of zero or one step for the
+whole parameter tree. Only a block holding an inf or NaN has no cosine (NaN); its
+score is kept (:func:`next_score`). Blocks whose entries are all below about
+``1e-19`` have squares that underflow float32 and a cosine of 0, as for a zero block
+(Adam's update there is ``lr |g| / eps``, about zero).
 """
 
 from __future__ import annotations
@@ -29,6 +43,7 @@ from magma_optax import _blocks
 from magma_optax import _engine
 from magma_optax import _schedules
 from magma_optax import _scoping
+from magma_optax import _trees
 
 
 class AlignmentMaskState(NamedTuple):
@@ -90,28 +105,180 @@ def block_sums(
 def block_cosine(
   layout: _blocks.BlockLayout, a: jax.Array, b: jax.Array, axis_name: Any = None
 ) -> jax.Array:
-  """Per-block cosine of ``a`` and ``b`` in f32; 0 where either block is zero, NaN
-  where the block holds a non-finite value or its float32 sums overflow (then
-  :func:`next_score` keeps the block's score).
+  """Per-block cosine of ``a`` and ``b`` in f32: exact for every block of finite
+  entries (:func:`exact_sums`), 0 where either block is zero, NaN where the block
+  holds an inf or NaN (then :func:`next_score` keeps the block's score).
 
   ``axis_name`` (inside ``shard_map``): the mesh axes over which blocks are split;
   the per-block partial sums are ``psum``-ed over them before the cosine is formed.
+  This standalone form computes the rescaled sums unconditionally; an optimizer
+  step computes them only where the plain sums overflow (:func:`settle_sums`).
   """
-  return cosine_from_sums(*block_sums(layout, a, b, axis_name))
+  sums, _ = exact_sums(layout, a, b, axis_name=axis_name)
+  return cosine_from_sums(*sums)
 
 
 def cosine_from_sums(dot: jax.Array, aa: jax.Array, bb: jax.Array) -> jax.Array:
   """cos = <a, b> / (||a|| ||b||) from the block sums; 0 where a norm is 0.
 
-  NaN where a sum is not finite: an inf or NaN entry in the block, or float32 sums
-  that overflowed (entries beyond about ``1e19 / sqrt(block size)``). The score
-  update (:func:`next_score`) then keeps the block's previous score.
+  NaN where a sum is not finite (an inf or NaN entry in the block, or float32 sums
+  that overflowed and were not recomputed by :func:`exact_sums`). The score update
+  (:func:`next_score`) then keeps the block's previous score.
   """
   finite = jnp.isfinite(dot) & jnp.isfinite(aa) & jnp.isfinite(bb)
   norm = jnp.sqrt(aa) * jnp.sqrt(bb)
   ok = finite & (norm > 0)
   cos = jnp.clip(jnp.where(ok, dot / jnp.where(ok, norm, 1.0), 0.0), -1.0, 1.0)
   return jnp.where(finite, cos, jnp.nan)
+
+
+# The exponent by which exact_sums divides a vector whose float32 sums overflow.
+# Finite float32 entries are below 2**128: divided by 2**80 they are below 2**48,
+# their squares below 2**96, and a block of up to 2**31 of them sums below 2**127.
+# A vector is divided where its squared norm reaches 2**126 (a margin that keeps
+# <a, b> <= ||a|| ||b|| finite where neither is divided); an entry of such a block
+# is at least 2**63 / sqrt(n) >= 2**47.5 somewhere: divided, it stays above
+# 2**-32.5, its square a normal float32, and the entries that underflow instead
+# are below 2**-24 of the block's norm in all.
+RESCALE_EXPONENT = 80
+_LARGE = 2.0**126
+
+
+def _rescaled_sums(
+  layout: _blocks.BlockLayout, a: jax.Array, b: jax.Array, fa: Any, fb: Any
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Per-block ``(<a fa, b fb>, ||a fa||^2, ||b fb||^2)`` in f32, with per-block
+  factors ``fa``, ``fb``; complex leaves: the real inner product.
+
+  Three reductions, each with factor arrays of its own: XLA:CPU writes a
+  broadcast that two reductions share to memory (a leaf-sized temporary) instead
+  of fusing it into each, and a barrier's outputs are distinct values to XLA,
+  though equal. (One variadic reduction would compile to one kernel instead of
+  three, but SPMD gathers its sharded operands; a stacked or complex-packed one
+  materialises the stack.)
+  """
+  if jnp.iscomplexobj(a) or jnp.iscomplexobj(b):
+    a, b = a.astype(jnp.complex64), b.astype(jnp.complex64)
+    parts = [(jnp.real(a), jnp.real(b)), (jnp.imag(a), jnp.imag(b))]
+  else:
+    parts = [(a.astype(jnp.float32), b.astype(jnp.float32))]
+  factors = jax.lax.optimization_barrier((fa, fb, fa, fb))
+  fa1, fb1, fa2, fb2 = (layout.to_leaf(f) for f in factors)
+  dot = aa = bb = 0.0
+  for x, y in parts:
+    dot = dot + (x * fa1) * (y * fb1)
+    aa = aa + jnp.square(x * fa2)
+    bb = bb + jnp.square(y * fb2)
+  return layout.block_sum(dot), layout.block_sum(aa), layout.block_sum(bb)
+
+
+def exact_sums(
+  layout: _blocks.BlockLayout,
+  a: jax.Array,
+  b: jax.Array,
+  aa: jax.Array | None = None,
+  bb: jax.Array | None = None,
+  param_mask: jax.Array | None = None,
+  axis_name: Any = None,
+) -> tuple[tuple[jax.Array, jax.Array, jax.Array], jax.Array]:
+  """Per-block sums whose cosine is exact for every block of finite entries.
+
+  Returns ``((dot, aa, bb), plain_aa)``. In a block where ``||a||^2`` reaches
+  ``2**126`` (or overflows) ``a`` is divided by ``2**RESCALE_EXPONENT`` in all three
+  sums, likewise ``b``; elsewhere they are the plain float32 sums. The cosine is
+  scale-invariant, so :func:`cosine_from_sums` of the result is the block's
+  cosine, NaN only where an entry is inf or NaN. ``plain_aa`` is the unscaled
+  ``||a||^2`` (inf where it overflows; a carried norm).
+
+  Args:
+    layout: the leaf's block layout.
+    a, b: the vectors (any float or complex dtype; complex: the real inner
+      product).
+    aa, bb: the plain per-block ``||a||^2``, ``||b||^2`` if the caller has them
+      (summed directly, over the same entries), else ``None`` (summed here).
+    param_mask: entries where it is False are left out.
+    axis_name: as in :func:`block_sums`.
+  """
+  if param_mask is not None:
+    a = jnp.where(param_mask, a, jnp.zeros((), a.dtype))
+    b = jnp.where(param_mask, b, jnp.zeros((), b.dtype))
+
+  def total(x):
+    return x if axis_name is None else jax.lax.psum(x, axis_name)
+
+  if aa is None:
+    aa = total(layout.block_sum(_square_norms(a)))
+  if bb is None:
+    bb = total(layout.block_sum(_square_norms(b)))
+  large_a, large_b = ~(aa < _LARGE), ~(bb < _LARGE)  # NaN counts as large
+  scale = 2.0**-RESCALE_EXPONENT
+  fa, fb = jnp.where(large_a, scale, 1.0), jnp.where(large_b, scale, 1.0)
+  return total(_rescaled_sums(layout, a, b, fa, fb)), aa
+
+
+def _square_norms(x: jax.Array) -> jax.Array:
+  """``|x|^2`` per entry in f32 (complex: ``Re^2 + Im^2``)."""
+  if jnp.iscomplexobj(x):
+    x = x.astype(jnp.complex64)
+    return jnp.real(x) * jnp.real(x) + jnp.imag(x) * jnp.imag(x)
+  x = x.astype(jnp.float32)
+  return x * x
+
+
+def settle_sums(
+  layouts: list[_blocks.BlockLayout],
+  sums: list[tuple[jax.Array, jax.Array, jax.Array]],
+  vectors: Any,
+  operand: Any = (),
+  *,
+  direct: bool = True,
+) -> tuple[list[tuple[jax.Array, ...]], list[jax.Array], Any]:
+  """Every leaf's block sums, made exact where any of them is not finite.
+
+  Args:
+    layouts: per leaf its block layout.
+    sums: per leaf this step's float32 ``(<a, b>, ||a||^2, ||b||^2)``, ``||b||^2``
+      summed directly over the entries ``vectors`` keeps.
+    vectors: ``vectors(operand) -> [(a, b, param_mask or None), ...]``, the leaves'
+      vectors, computed inside the loop from ``operand``.
+    operand: arrays the loop passes through (read there, returned unchanged):
+      buffers that the step overwrites later (donated moments) must come in here,
+      not from outside, or XLA copies them before the loop (every step).
+    direct: whether ``||a||^2`` too was summed directly (else it was derived, e.g.
+      from a carry, and may be NaN where that was lost: it is summed again).
+
+  Returns:
+    ``(sums, plain_aa, operand)``: the sums -- as given, or where any leaf's sums
+    are not finite, every leaf's recomputed by :func:`exact_sums` (equal to the
+    given ones up to float32 rounding where those were finite); per leaf the
+    unscaled ``||a||^2`` (summed directly in that case: a carry to keep); and
+    ``operand`` as the loop returns it (use it from here on).
+
+  One loop of zero or one step for the whole tree: ordinary steps pay one test of
+  the small per-block sums, never a branch per leaf (a GPU waits on the host for a
+  loop's predicate).
+  """
+  sums = [tuple(jnp.asarray(x, jnp.float32) for x in s) for s in sums]
+  if not sums:
+    return [], [], operand
+
+  def rescue(carry):
+    old, _, ops = carry
+    new, norms = [], []
+    for layout, s, (a, b, pm) in zip(layouts, old, vectors(ops), strict=True):
+      aa = s[1] if direct else None
+      exact, plain_aa = exact_sums(layout, a, b, aa, s[2], pm)
+      new.append(exact)
+      norms.append(plain_aa)
+    # Through a barrier: an element the loop passes on untouched would be hoisted
+    # out of it as an invariant, and copied.
+    return new, norms, jax.lax.optimization_barrier(ops)
+
+  # One predicate for the tree (each sum reduced to a replicated scalar: a
+  # concatenation of differently sharded sums is an error on Explicit axes).
+  finite = jnp.stack([jnp.all(jnp.isfinite(x)) for s in sums for x in s])
+  norms = [s[1] for s in sums]
+  return _trees.run_if(~jnp.all(finite), rescue, (sums, norms, operand))
 
 
 def next_score(
@@ -200,16 +367,33 @@ class AlignmentRule(_engine.Rule):
     inv_tau = 1.0 / _schedules.evaluate(self.tau, count)
     return next_score(prev, cos, inv_tau, self.score_decay)
 
-  def scale(self, leaf: _engine.LeafStep) -> tuple[jax.Array, dict[str, Any]]:
+  def measure(self, leaf: _engine.LeafStep) -> tuple[jax.Array, tuple]:
+    """This step's momentum and the block sums ``(<mu, g>, ||mu||^2, ||g||^2)``."""
     own = leaf.state["momentum"]
-    new: dict[str, Any] = {}
     if isinstance(own, optax.MaskedNode):
       mu = leaf.momentum
     else:
       mu = optax.tree.update_moment(leaf.signal, own, self.momentum_decay, 1)
-      mu = new["momentum"] = mu.astype(own.dtype)
-    cos = block_cosine(leaf.plan.layout, mu, leaf.signal)
-    s = new["scores"] = self.score(leaf.state["scores"], cos, leaf.count)
+      mu = mu.astype(own.dtype)
+    return mu, block_sums(leaf.plan.layout, mu, leaf.signal)
+
+  def settle(self, leaves: list[_engine.LeafStep]) -> list[tuple[jax.Array, tuple]]:
+    """Blocks whose float32 sums overflowed, made exact (:func:`settle_sums`)."""
+    sums, _, _ = settle_sums(
+      [leaf.plan.layout for leaf in leaves],
+      [leaf.measured[1] for leaf in leaves],
+      lambda _: [(leaf.measured[0], leaf.signal, None) for leaf in leaves],
+    )
+    return [(leaf.measured[0], s) for leaf, s in zip(leaves, sums, strict=True)]
+
+  def scale(self, leaf: _engine.LeafStep) -> tuple[jax.Array, dict[str, Any]]:
+    mu, sums = leaf.measured
+    new: dict[str, Any] = {}
+    if not isinstance(leaf.state["momentum"], optax.MaskedNode):
+      new["momentum"] = mu
+    s = new["scores"] = self.score(
+      leaf.state["scores"], cosine_from_sums(*sums), leaf.count
+    )
     return s * leaf.mask, new
 
 

@@ -54,6 +54,12 @@ and its own), lists its fields in ``block_fields`` / ``param_fields``, and retur
 their first values from :meth:`Rule.init_leaf`; :meth:`Rule.scale` gets them back
 in ``leaf.state`` and returns the new ones. Nothing else changes: ``mask_stats``,
 sharding, ``map_params``, the draws and the checks come from the engine.
+
+A rule that needs to look at the whole tree before it scales any leaf (Magma
+recomputes, in one branch for the tree, the block sums that overflowed) splits its
+work in two: :meth:`Rule.measure` computes a leaf's statistics, :meth:`Rule.settle`
+sees every scoped leaf's at once, and :meth:`Rule.scale` finds its leaf's settled
+statistics in ``leaf.measured``. Both default to nothing.
 """
 
 from __future__ import annotations
@@ -309,6 +315,8 @@ class LeafStep(NamedTuple):
     keep_prob: f32 scalar, the keep probability at this step (clipped to [0, 1]).
     count: int32 scalar, the step count (``None`` for a stateless rule).
     state: dict field -> this leaf's entry of each rule field.
+    measured: what :meth:`Rule.measure` computed for this leaf, after
+      :meth:`Rule.settle` (``None`` for a rule that does not measure).
   """
 
   plan: _scoping.LeafPlan
@@ -319,6 +327,7 @@ class LeafStep(NamedTuple):
   keep_prob: jax.Array | None
   count: jax.Array | None
   state: dict[str, Any]
+  measured: Any = None
 
 
 class Rule:
@@ -349,6 +358,16 @@ class Rule:
     """First values of the rule's fields for one scoped leaf (absent: MaskedNode)."""
     del plan, param, momentum
     return {}
+
+  def measure(self, leaf: LeafStep) -> Any:
+    """Optional first pass: this leaf's statistics (default ``None``)."""
+    del leaf
+    return None
+
+  def settle(self, leaves: list[LeafStep]) -> list[Any]:
+    """Optional pass over every scoped leaf's ``measured`` at once, before any leaf
+    is scaled; returns the new ``measured`` per leaf (default: unchanged)."""
+    return [leaf.measured for leaf in leaves]
 
   def scale(self, leaf: LeafStep) -> tuple[jax.Array, dict[str, Any]]:
     """The per-block f32 scale of ``leaf.update`` and the rule's new fields."""
@@ -476,15 +495,8 @@ class BlockMask:
       for name in names
     }
     count = state.count if self.stateful else None
-    out = []
-    fields: dict[str, list[Any]] = {name: [] for name in names}
-    for i, plan in enumerate(plans):
-      if plan.layout is None:
-        out.append(leaves[i])
-        for values in fields.values():
-          values.append(optax.MaskedNode())
-        continue
-      leaf = LeafStep(
+    steps = {
+      i: LeafStep(
         plan=plan,
         update=leaves[i],
         signal=signals[i],
@@ -494,7 +506,22 @@ class BlockMask:
         count=count,
         state={name: old[name][i] for name in names},
       )
-      scale, new = self.rule.scale(leaf)
+      for i, plan in enumerate(plans)
+      if plan.layout is not None
+    }
+    steps = {
+      i: leaf._replace(measured=self.rule.measure(leaf)) for i, leaf in steps.items()
+    }
+    settled = iter(self.rule.settle(list(steps.values())))
+    out = []
+    fields: dict[str, list[Any]] = {name: [] for name in names}
+    for i, plan in enumerate(plans):
+      if plan.layout is None:
+        out.append(leaves[i])
+        for values in fields.values():
+          values.append(optax.MaskedNode())
+        continue
+      scale, new = self.rule.scale(steps[i]._replace(measured=next(settled)))
       out.append(scale_blocks(leaves[i], plan.layout, scale))
       for name, values in fields.items():
         values.append(new.get(name, optax.MaskedNode()))

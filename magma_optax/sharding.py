@@ -408,9 +408,10 @@ def block_cosine(
       ``shard_map``.
 
   Returns:
-    f32 array of the (local) block shape, values in [-1, 1]; NaN for a block that
-    holds an inf or NaN, or whose float32 sums overflow (entries beyond about
-    ``1e19 / sqrt(block size)``): Magma keeps such a block's score.
+    f32 array of the (local) block shape, values in [-1, 1]: exact to float32
+    rounding for every block of finite entries, also where its float32 sums
+    overflow (they are recomputed rescaled by a power of two); NaN for a block
+    that holds an inf or NaN (Magma keeps such a block's score).
 
   Example:
     >>> import jax.numpy as jnp

@@ -78,6 +78,35 @@ def test_a_new_rule_plugs_in():
   assert mapped.kept_steps["attn"]["q"].dtype == jnp.float32
 
 
+@dataclasses.dataclass(frozen=True)
+class ShareOfLargestRule(_engine.Rule):
+  """A rule that looks at the whole tree: each block's update is divided by the
+  largest block norm of any leaf (measure per leaf, settle over the tree)."""
+
+  draws = False
+
+  def measure(self, leaf):
+    return jnp.sqrt(leaf.plan.layout.block_sum(jnp.square(leaf.update)))
+
+  def settle(self, leaves):
+    largest = jnp.max(jnp.stack([jnp.max(leaf.measured) for leaf in leaves]))
+    return [jnp.broadcast_to(largest, leaf.measured.shape) for leaf in leaves]
+
+  def scale(self, leaf):
+    return 1.0 / leaf.measured, {}
+
+
+def test_a_rule_can_settle_over_the_whole_tree():
+  config = _engine.MaskConfig.create(granularity="row")
+  tx = _engine.BlockMask(config, ShareOfLargestRule()).transformation()
+  rng = np.random.default_rng(0)
+  u = {"attn": {"q": rng.normal(size=(8, 4))}, "b": rng.normal(size=4)}
+  got, _ = jax.jit(tx.update)(u, tx.init(u))
+  largest = max(np.linalg.norm(u["attn"]["q"], axis=1).max(), np.linalg.norm(u["b"]))
+  for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(u), strict=True):
+    np.testing.assert_allclose(x, y / largest, rtol=1e-6)
+
+
 def test_map_params_does_not_touch_block_fields():
   # Regression: optax's placeholder made scores and masks look like parameters,
   # so a cast (or a resharding) hit them too.

@@ -11,9 +11,12 @@ Importing this package does not need a GPU.
 
 from magma_optax.kernels.api import DEFAULT_IMPLEMENTATIONS
 from magma_optax.kernels.api import IMPLEMENTATIONS
+from magma_optax.kernels.api import PendingAdam
 from magma_optax.kernels.api import derived_sums
+from magma_optax.kernels.api import finish_masked_adam
 from magma_optax.kernels.api import masked_adam
 from magma_optax.kernels.api import resolve_implementation
+from magma_optax.kernels.api import start_masked_adam
 from magma_optax.kernels.config import BlockSizes
 from magma_optax.kernels.reference import AdamConstants
 from magma_optax.kernels.reference import MaskedAdamOutput
@@ -27,10 +30,13 @@ __all__ = (
   "AdamConstants",
   "BlockSizes",
   "MaskedAdamOutput",
+  "PendingAdam",
   "TileAdamOutput",
   "derived_sums",
+  "finish_masked_adam",
   "masked_adam",
   "masked_adam_reference",
   "resolve_implementation",
+  "start_masked_adam",
   "tile_adam",
 )

@@ -39,7 +39,12 @@ so the kernel itself makes a single pass. (The derived sums equal the direct one
 to float32 rounding; when m_t nearly cancels, the cosine is ill-conditioned either
 way.) Either way the output's three sums are the ones the scale was computed from,
 so a caller can evaluate the same function of them again (``adam_magma`` does, for
-its scores) instead of smuggling a value out of the callback.
+its scores) instead of smuggling a value out of the callback. The step also comes in
+two halves, :func:`start_masked_adam` (checks, implementation, sums) and
+:func:`finish_masked_adam` (the scaled update), for a caller that looks at every
+leaf's sums before it scales any: ``adam_magma`` recomputes the blocks whose
+float32 sums overflowed, for the whole tree in one branch
+(``_alignment.settle_sums``), between them.
 
 On XLA:CPU reductions are single-threaded library calls that cannot share a pass
 with the elementwise Adam loops, so every reduction is a separate read. Two things
@@ -58,6 +63,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -301,6 +307,105 @@ def masked_adam(
     Kingma & Ba, Adam, arXiv 1412.6980; Joo et al., On Surprising Effectiveness of
     Masking Updates in Adaptive Optimizers, arXiv 2602.15322 (2026), Algorithm 1.
   """
+  pending = start_masked_adam(
+    grad, mu, nu, count=count, learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
+    eps_root=eps_root, weight_decay=weight_decay, params=params,
+    param_mask=param_mask, layout=layout, implementation=implementation,
+    interpret=interpret, block_sizes=block_sizes, with_sums=callable(scale),
+    mu_sq_norm_prev=mu_sq_norm_prev,
+  )  # fmt: skip
+  if callable(scale):
+    scale = scale(*pending.sums)
+  return finish_masked_adam(pending, scale)
+
+
+class PendingAdam(NamedTuple):
+  """:func:`masked_adam` between its halves: this step's sums known, no update yet.
+
+  :func:`start_masked_adam` returns it and :func:`finish_masked_adam` completes the
+  step with a per-block scale, so that a caller can look at every leaf's sums before
+  it scales any (``adam_magma`` recomputes overflowing ones for the whole tree).
+
+  Attributes:
+    implementation: the implementation that runs (``"xla"`` or ``"pallas"``).
+    grad, mu, nu, params, param_mask: the step's inputs (``mu`` may be replaced
+      with ``_replace`` by the same values, e.g. passed through a loop).
+    hyper: f32[4] from :func:`reference.hyperparams`.
+    constants: :class:`reference.AdamConstants`.
+    layout: the leaf's block layout.
+    sums: this step's per-block ``(<m_t, g>, ||m_t||^2, ||g||^2)``, or ``None``.
+    moments: the XLA path's new ``(m_t, v_t)`` in f32 when ``sums`` are given
+      (their update is computed from them), else ``None``.
+    interpret, block_sizes: for the Pallas kernel.
+  """
+
+  implementation: str
+  grad: jax.Array
+  mu: jax.Array
+  nu: jax.Array
+  params: jax.Array | None
+  param_mask: jax.Array | None
+  hyper: jax.Array
+  constants: reference.AdamConstants
+  layout: _blocks.BlockLayout
+  sums: tuple[jax.Array, jax.Array, jax.Array] | None
+  moments: tuple[jax.Array, jax.Array] | None
+  interpret: bool | str
+  block_sizes: config_lib.BlockSizes | None
+
+
+def start_masked_adam(
+  grad: jax.Array,
+  mu: jax.Array,
+  nu: jax.Array,
+  *,
+  count: Any,
+  learning_rate: Any,
+  b1: float = 0.9,
+  b2: float = 0.999,
+  eps: float = 1e-8,
+  eps_root: float = 0.0,
+  weight_decay: Any = 0.0,
+  params: jax.Array | None = None,
+  param_mask: jax.Array | None = None,
+  layout: _blocks.BlockLayout | None = None,
+  implementation: str | Sequence[str] | None = None,
+  interpret: bool | str = False,
+  block_sizes: config_lib.BlockSizes | None = None,
+  with_sums: bool = True,
+  mu_sq_norm_prev: jax.Array | None = None,
+) -> PendingAdam:
+  """The first half of :func:`masked_adam`: checks, implementation, block sums.
+
+  ``masked_adam(..., scale=f)`` is ``finish_masked_adam(p, f(*p.sums))`` with
+  ``p = start_masked_adam(...)``; in between, a caller may look at (or replace)
+  ``p.sums`` -- for all of a tree's leaves before it scales any.
+
+  Takes the arguments of :func:`masked_adam` but ``scale``, and:
+
+  Args:
+    with_sums: compute this step's per-block ``(<m_t, g>, ||m_t||^2, ||g||^2)``
+      (ordered for the implementation as the module docstring says); ``False``
+      for a plain masked Adam step.
+
+  Returns:
+    A :class:`PendingAdam` for :func:`finish_masked_adam`.
+
+  Raises:
+    ValueError: as :func:`masked_adam`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from magma_optax import kernels
+    >>> g = jnp.ones((4, 8)); m = jnp.zeros((4, 8)); v = jnp.zeros((4, 8))
+    >>> pending = kernels.start_masked_adam(g, m, v, count=1, learning_rate=1e-3,
+    ...                                     implementation="xla")
+    >>> [round(float(x), 2) for x in pending.sums]  # <m_t, g>, ||m_t||^2, ||g||^2
+    [3.2, 0.32, 32.0]
+    >>> out = kernels.finish_masked_adam(pending, jnp.asarray(0.5))
+    >>> round(float(out.update[0, 0]), 6)
+    -0.0005
+  """
   layout = layout or reference.tensor_layout(grad.shape)
   if not (grad.shape == mu.shape == nu.shape):
     raise ValueError(
@@ -312,39 +417,65 @@ def masked_adam(
   impl = resolve_implementation(implementation, layout=layout, interpret=interpret)
   constants = reference.AdamConstants(float(b1), float(b2), float(eps), float(eps_root))
   hyper = reference.hyperparams(count, learning_rate, weight_decay, constants)
-  if impl == "xla":
-    if callable(scale):
-      new_m, new_v = reference.moments(grad, mu, nu, constants, param_mask)
-      out_m = new_m.astype(mu.dtype)
-      # Keeps ||g||^2 from sharing (and materialising) Adam's g * g; see above.
-      g = jax.lax.optimization_barrier(grad)
-      if mu_sq_norm_prev is None or param_mask is not None:
-        sums = reference.partial_sums(layout, out_m, g, param_mask)
-      else:
-        sums = carried_sums(layout, out_m, g, mu_sq_norm_prev, b1)
-      u = reference.update(
-        new_m, new_v, hyper, constants, layout=layout, scale=scale(*sums),
-        params=params, param_mask=param_mask, dtype=grad.dtype,
-      )  # fmt: skip
-      return reference.MaskedAdamOutput(out_m, new_v.astype(nu.dtype), u, *sums)
-    return reference.masked_adam_reference(
-      grad, mu, nu, hyper, constants, scale=scale, layout=layout,
-      param_mask=param_mask, params=params,
-    )  # fmt: skip
-  sums = None
-  if callable(scale):
+  sums = moments = None
+  if with_sums and impl == "xla":
+    moments = reference.moments(grad, mu, nu, constants, param_mask)
+    out_m = moments[0].astype(mu.dtype)
+    # Keeps ||g||^2 from sharing (and materialising) Adam's g * g; see above.
+    g = jax.lax.optimization_barrier(grad)
+    if mu_sq_norm_prev is None or param_mask is not None:
+      sums = reference.partial_sums(layout, out_m, g, param_mask)
+    else:
+      sums = carried_sums(layout, out_m, g, mu_sq_norm_prev, b1)
+  elif with_sums:
     sums = derived_sums(layout, mu, grad, b1, param_mask)
-    scale = scale(*sums)
-  out = partitioned.masked_adam_pallas_partitioned(
-    grad, mu, nu, hyper, constants, scale=scale, layout=layout,
-    param_mask=param_mask, params=params, block_sizes=block_sizes,
-    interpret=bool(interpret), backend=pallas_backend(interpret),
+  return PendingAdam(
+    impl, grad, mu, nu, params, param_mask, hyper, constants, layout, sums, moments,
+    interpret, block_sizes,
   )  # fmt: skip
-  if sums is None:
+
+
+def finish_masked_adam(
+  pending: PendingAdam, scale: jax.Array | None
+) -> reference.MaskedAdamOutput:
+  """The second half of :func:`masked_adam`: the step with per-block ``scale``.
+
+  Args:
+    pending: what :func:`start_masked_adam` returned (``mu`` and ``sums`` may have
+      been replaced by equal values, e.g. passed through a loop).
+    scale: f32 per-block scale of the layout's block shape, or ``None`` (1).
+
+  Returns:
+    A :class:`MaskedAdamOutput`; its sums are ``pending.sums`` where those were
+    computed (the ones a scale was derived from), else the kernel's own.
+  """
+  p = pending
+  if p.implementation == "xla" and p.moments is not None:
+    new_m, new_v = p.moments
+    u = reference.update(
+      new_m, new_v, p.hyper, p.constants, layout=p.layout, scale=scale,
+      params=p.params, param_mask=p.param_mask, dtype=p.grad.dtype,
+    )  # fmt: skip
+    return reference.MaskedAdamOutput(
+      new_m.astype(p.mu.dtype), new_v.astype(p.nu.dtype), u, *p.sums
+    )
+  if p.implementation == "xla":
+    return reference.masked_adam_reference(
+      p.grad, p.mu, p.nu, p.hyper, p.constants, scale=scale, layout=p.layout,
+      param_mask=p.param_mask, params=p.params,
+    )  # fmt: skip
+  out = partitioned.masked_adam_pallas_partitioned(
+    p.grad, p.mu, p.nu, p.hyper, p.constants, scale=scale, layout=p.layout,
+    param_mask=p.param_mask, params=p.params, block_sizes=p.block_sizes,
+    interpret=bool(p.interpret), backend=pallas_backend(p.interpret),
+  )  # fmt: skip
+  if p.sums is None:
     return out
-  # With a callable scale, every path returns the sums that the scale was computed
-  # from (here: derived before the kernel), so a caller can recompute what it saw.
-  return out._replace(mu_dot_grad=sums[0], mu_sq_norm=sums[1], grad_sq_norm=sums[2])
+  # Every path returns the sums that a scale was computed from (here: derived
+  # before the kernel), so a caller can recompute what it saw.
+  return out._replace(
+    mu_dot_grad=p.sums[0], mu_sq_norm=p.sums[1], grad_sq_norm=p.sums[2]
+  )
 
 
 def carried_sums(
@@ -358,8 +489,8 @@ def carried_sums(
 
   ||m_t||^2 comes from the carried ||m_{t-1}||^2 (module docstring). Where that
   recursion is not finite (a float32 sum overflowed, here or in the carry) the
-  result is NaN, not a clipped ``inf - inf``: the block keeps its score, and the
-  caller sums ||m_t||^2 directly on the next step (``adam_magma`` does).
+  result is NaN, not a clipped ``inf - inf``, so that the caller knows to sum
+  such blocks directly (``adam_magma`` does, in ``_alignment.settle_sums``).
   """
   m = mu.astype(jnp.float32)
   g = grad.astype(jnp.float32)
