@@ -32,6 +32,7 @@ and they are left out of the cosine -- the convention of ``magma.periodic_mask``
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
@@ -356,8 +357,9 @@ def _settle(pending: list[Any], b1: float) -> tuple[list[Any], list[Any], list[A
   also leaves the carry ``||m||^2`` inf or NaN, and ``kernels.carried_sums`` (or
   ``derived_sums``, from ``||m_{t-1}||^2``) NaN from then on: those blocks are
   recomputed from ``m_t`` and ``g`` too, as ``magma(adam)`` sums them. The XLA
-  path has ``m_t`` already; the Pallas path computes it there from ``m_{t-1}``,
-  whose donated buffer the kernel overwrites later: it passes through the loop.
+  path has ``m_t`` already (the branch is a cond); the Pallas path computes it
+  there from ``m_{t-1}``, once per reduction, and ``m_{t-1}``'s donated buffer,
+  which the kernel overwrites later, passes through the branch (then a loop).
   """
   scoped = [i for i, p in enumerate(pending) if p.sums is not None]
   sums, norms = [None] * len(pending), [None] * len(pending)
@@ -371,12 +373,11 @@ def _settle(pending: list[Any], b1: float) -> tuple[list[Any], list[Any], list[A
     out = []
     for i in scoped:
       p = pending[i]
-      g = p.grad.astype(jnp.float32)
       if p.moments is not None:  # XLA: m_t, already computed
         m = p.moments[0].astype(p.mu.dtype)
-      else:
-        m = ((1 - b1) * g + b1 * mus[i].astype(jnp.float32)).astype(p.mu.dtype)
-      out.append((m, g, p.param_mask))
+      else:  # m_t from m_{t-1}, computed again in each reduction
+        m = functools.partial(_moment, b1, mus[i], p.grad)
+      out.append((m, p.grad, p.param_mask))
     return out
 
   settled, plain, mus = _alignment.settle_sums(
@@ -393,3 +394,11 @@ def _settle(pending: list[Any], b1: float) -> tuple[list[Any], list[Any], list[A
     pending[i] = pending[i]._replace(sums=settled[j])
     sums[i], norms[i] = settled[j], plain[j]
   return pending, sums, norms
+
+
+def _moment(b1: float, mu: jax.Array, grad: jax.Array) -> jax.Array:
+  """``m_t = (1 - b1) g + b1 m_{t-1}`` in ``mu``'s dtype, from inputs of its own
+  (a barrier's outputs), so that each reduction computes it in its own pass."""
+  mu, grad = jax.lax.optimization_barrier((mu, grad))
+  m = (1 - b1) * grad.astype(jnp.float32) + b1 * mu.astype(jnp.float32)
+  return m.astype(mu.dtype)

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import optax
 
 from magma_optax import _blocks
+from magma_optax import _compat
 from magma_optax import _engine
 from magma_optax import _schedules
 from magma_optax import _scoping
@@ -144,38 +145,27 @@ RESCALE_EXPONENT = 80
 _LARGE = 2.0**126
 
 
-def _rescaled_sums(
-  layout: _blocks.BlockLayout, a: jax.Array, b: jax.Array, fa: Any, fb: Any
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Per-block ``(<a fa, b fb>, ||a fa||^2, ||b fb||^2)`` in f32, with per-block
-  factors ``fa``, ``fb``; complex leaves: the real inner product.
+def _copies(x: Any, n: int) -> list[Any]:
+  """``n`` values of ``x`` that XLA will not merge: ``x()`` called ``n`` times if
+  ``x`` is a callable (each call must give a value of its own), else the outputs
+  of one barrier (the same buffer, distinct values)."""
+  if callable(x):
+    return [x() for _ in range(n)]
+  return list(jax.lax.optimization_barrier((x,) * n))
 
-  Three reductions, each with factor arrays of its own: XLA:CPU writes a
-  broadcast that two reductions share to memory (a leaf-sized temporary) instead
-  of fusing it into each, and a barrier's outputs are distinct values to XLA,
-  though equal. (One variadic reduction would compile to one kernel instead of
-  three, but SPMD gathers its sharded operands; a stacked or complex-packed one
-  materialises the stack.)
-  """
-  if jnp.iscomplexobj(a) or jnp.iscomplexobj(b):
-    a, b = a.astype(jnp.complex64), b.astype(jnp.complex64)
-    parts = [(jnp.real(a), jnp.real(b)), (jnp.imag(a), jnp.imag(b))]
-  else:
-    parts = [(a.astype(jnp.float32), b.astype(jnp.float32))]
-  factors = jax.lax.optimization_barrier((fa, fb, fa, fb))
-  fa1, fb1, fa2, fb2 = (layout.to_leaf(f) for f in factors)
-  dot = aa = bb = 0.0
-  for x, y in parts:
-    dot = dot + (x * fa1) * (y * fb1)
-    aa = aa + jnp.square(x * fa2)
-    bb = bb + jnp.square(y * fb2)
-  return layout.block_sum(dot), layout.block_sum(aa), layout.block_sum(bb)
+
+def _parts(x: jax.Array, complex_: bool) -> list[jax.Array]:
+  """``x`` as float32 parts: ``[x]``, or ``[Re x, Im x]`` where ``complex_``."""
+  if complex_:
+    x = x.astype(jnp.complex64)
+    return [jnp.real(x), jnp.imag(x)]
+  return [x.astype(jnp.float32)]
 
 
 def exact_sums(
   layout: _blocks.BlockLayout,
-  a: jax.Array,
-  b: jax.Array,
+  a: Any,
+  b: Any,
   aa: jax.Array | None = None,
   bb: jax.Array | None = None,
   param_mask: jax.Array | None = None,
@@ -190,39 +180,53 @@ def exact_sums(
   cosine, NaN only where an entry is inf or NaN. ``plain_aa`` is the unscaled
   ``||a||^2`` (inf where it overflows; a carried norm).
 
+  Every reduction reads vectors and per-block factors of its own: XLA:CPU writes
+  a value that two reductions share (a broadcast factor, a bfloat16 leaf's float32
+  conversion, a computed vector) to memory, a leaf-sized temporary, instead of
+  fusing it into each. (One variadic reduction would do with one kernel, but SPMD
+  gathers its sharded operands; a stacked one materialises the stack.)
+
   Args:
     layout: the leaf's block layout.
     a, b: the vectors (any float or complex dtype; complex: the real inner
-      product).
+      product), or callables that compute one, called once per reduction (each
+      call must give a value of its own, e.g. from a barrier's outputs).
     aa, bb: the plain per-block ``||a||^2``, ``||b||^2`` if the caller has them
       (summed directly, over the same entries), else ``None`` (summed here).
     param_mask: entries where it is False are left out.
     axis_name: as in :func:`block_sums`.
   """
-  if param_mask is not None:
-    a = jnp.where(param_mask, a, jnp.zeros((), a.dtype))
-    b = jnp.where(param_mask, b, jnp.zeros((), b.dtype))
+  a_copies = _copies(a, 2 if aa is not None else 3)
+  b_copies = _copies(b, 2 if bb is not None else 3)
+  complex_ = any(jnp.iscomplexobj(x) for x in (a_copies[0], b_copies[0]))
+
+  def parts(copies):
+    x = copies.pop()
+    if param_mask is not None:
+      x = jnp.where(param_mask, x, jnp.zeros((), x.dtype))
+    return _parts(x, complex_)
 
   def total(x):
     return x if axis_name is None else jax.lax.psum(x, axis_name)
 
+  def block_sum(products):
+    return total(layout.block_sum(sum(products)))
+
   if aa is None:
-    aa = total(layout.block_sum(_square_norms(a)))
+    aa = block_sum(jnp.square(x) for x in parts(a_copies))
   if bb is None:
-    bb = total(layout.block_sum(_square_norms(b)))
-  large_a, large_b = ~(aa < _LARGE), ~(bb < _LARGE)  # NaN counts as large
+    bb = block_sum(jnp.square(y) for y in parts(b_copies))
   scale = 2.0**-RESCALE_EXPONENT
-  fa, fb = jnp.where(large_a, scale, 1.0), jnp.where(large_b, scale, 1.0)
-  return total(_rescaled_sums(layout, a, b, fa, fb)), aa
-
-
-def _square_norms(x: jax.Array) -> jax.Array:
-  """``|x|^2`` per entry in f32 (complex: ``Re^2 + Im^2``)."""
-  if jnp.iscomplexobj(x):
-    x = x.astype(jnp.complex64)
-    return jnp.real(x) * jnp.real(x) + jnp.imag(x) * jnp.imag(x)
-  x = x.astype(jnp.float32)
-  return x * x
+  # NaN counts as large. Factors of its own for every reduction (see above).
+  fa = jnp.where(~(aa < _LARGE), scale, 1.0)
+  fb = jnp.where(~(bb < _LARGE), scale, 1.0)
+  factors = jax.lax.optimization_barrier((fa, fb, fa, fb))
+  fa1, fb1, fa2, fb2 = (layout.to_leaf(f) for f in factors)
+  pairs = zip(parts(a_copies), parts(b_copies), strict=True)
+  dot = block_sum((x * fa1) * (y * fb1) for x, y in pairs)
+  aa_s = block_sum(jnp.square(x * fa2) for x in parts(a_copies))
+  bb_s = block_sum(jnp.square(y * fb2) for y in parts(b_copies))
+  return (dot, aa_s, bb_s), aa
 
 
 def settle_sums(
@@ -241,9 +245,8 @@ def settle_sums(
       summed directly over the entries ``vectors`` keeps.
     vectors: ``vectors(operand) -> [(a, b, param_mask or None), ...]``, the leaves'
       vectors, computed inside the loop from ``operand``.
-    operand: arrays the loop passes through (read there, returned unchanged):
-      buffers that the step overwrites later (donated moments) must come in here,
-      not from outside, or XLA copies them before the loop (every step).
+    operand: arrays ``vectors`` reads: buffers that the step overwrites later
+      (donated moments) must come in here, not from outside the branch.
     direct: whether ``||a||^2`` too was summed directly (else it was derived, e.g.
       from a carry, and may be NaN where that was lost: it is summed again).
 
@@ -252,33 +255,51 @@ def settle_sums(
     are not finite, every leaf's recomputed by :func:`exact_sums` (equal to the
     given ones up to float32 rounding where those were finite); per leaf the
     unscaled ``||a||^2`` (summed directly in that case: a carry to keep); and
-    ``operand`` as the loop returns it (use it from here on).
+    ``operand`` (use it from here on: under ``vmap`` it passed through a loop).
 
-  One loop of zero or one step for the whole tree: ordinary steps pay one test of
-  the small per-block sums, never a branch per leaf (a GPU waits on the host for a
-  loop's predicate).
+  One branch for the whole tree: ordinary steps pay one test of the small
+  per-block sums, never a branch per leaf (a GPU waits on the host for a
+  branch's predicate).
   """
   sums = [tuple(jnp.asarray(x, jnp.float32) for x in s) for s in sums]
   if not sums:
     return [], [], operand
 
-  def rescue(carry):
-    old, _, ops = carry
+  def rescue(args):
+    old, ops = args
     new, norms = [], []
     for layout, s, (a, b, pm) in zip(layouts, old, vectors(ops), strict=True):
-      aa = s[1] if direct else None
-      exact, plain_aa = exact_sums(layout, a, b, aa, s[2], pm)
+      exact, plain_aa = exact_sums(layout, a, b, s[1] if direct else None, s[2], pm)
       new.append(exact)
       norms.append(plain_aa)
-    # Through a barrier: an element the loop passes on untouched would be hoisted
-    # out of it as an invariant, and copied.
-    return new, norms, jax.lax.optimization_barrier(ops)
+    return new, norms
 
   # One predicate for the tree (each sum reduced to a replicated scalar: a
   # concatenation of differently sharded sums is an error on Explicit axes).
   finite = jnp.stack([jnp.all(jnp.isfinite(x)) for s in sums for x in s])
-  norms = [s[1] for s in sums]
-  return _trees.run_if(~jnp.all(finite), rescue, (sums, norms, operand))
+  pred = ~jnp.all(finite)
+  if jax.tree.leaves(operand) or _compat.batched(sums):
+    # A loop, whose carry is updated in place: buffers that the step overwrites
+    # later pass through it (read from outside, or by a cond, XLA copies them
+    # every step), and under jax.vmap a cond with a batched predicate runs both
+    # branches on every step, a loop only while some member needs it. The carry
+    # passes the operand through a barrier: an element a loop passes on
+    # untouched is hoisted out of it as an invariant, and copied. (Where a
+    # tangent flows, run_if is a cond.)
+    def body(carry):
+      new, norms = rescue((carry[0], carry[2]))
+      return new, norms, jax.lax.optimization_barrier(carry[2])
+
+    norms = [s[1] for s in sums]
+    return _trees.run_if(pred, body, (sums, norms, operand))
+  # A cond elsewhere: it differentiates in reverse mode under jit and scan too
+  # (a loop does not, and a tangent is not visible there), and what it reads is
+  # not carried (a loop's closure is part of its carry, which XLA copies where
+  # the step also returns those buffers).
+  new, norms = jax.lax.cond(
+    pred, rescue, lambda args: (args[0], [s[1] for s in args[0]]), (sums, operand)
+  )
+  return new, norms, operand
 
 
 def next_score(

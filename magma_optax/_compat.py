@@ -48,6 +48,21 @@ def differentiated(tree: Any) -> bool:
   return any(tangent(x) for x in jax.tree.leaves(tree))
 
 
+def batched(tree: Any) -> bool:
+  """Whether some leaf of ``tree`` is traced by ``jax.vmap`` (a ``BatchTracer``,
+  by the type's name, which jax does not promise; also under a tangent). For code
+  whose best form differs under ``vmap``."""
+
+  def batch(x: Any) -> bool:
+    while is_tracer(x):
+      if type(x).__name__ == "BatchTracer":
+        return True
+      x = getattr(x, "primal", getattr(x, "val", None))
+    return False
+
+  return any(batch(x) for x in jax.tree.leaves(tree))
+
+
 @functools.cache
 def custom_partitioning():
   """``jax.experimental.custom_partitioning.custom_partitioning``."""
