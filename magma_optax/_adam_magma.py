@@ -357,41 +357,48 @@ def _settle(pending: list[Any], b1: float) -> tuple[list[Any], list[Any], list[A
   also leaves the carry ``||m||^2`` inf or NaN, and ``kernels.carried_sums`` (or
   ``derived_sums``, from ``||m_{t-1}||^2``) NaN from then on: those blocks are
   recomputed from ``m_t`` and ``g`` too, as ``magma(adam)`` sums them. The XLA
-  path has ``m_t`` already (the branch is a cond); the Pallas path computes it
-  there from ``m_{t-1}``, once per reduction, and ``m_{t-1}``'s donated buffer,
-  which the kernel overwrites later, passes through the branch (then a loop).
+  path has ``m_t`` already, and passes it through the branch (the step returns
+  it); the Pallas path computes it there from ``m_{t-1}``, once per reduction, and
+  passes ``m_{t-1}`` through (the kernel overwrites its donated buffer later).
   """
   scoped = [i for i, p in enumerate(pending) if p.sums is not None]
   sums, norms = [None] * len(pending), [None] * len(pending)
   if not scoped:
     return pending, sums, norms
-  # The Pallas leaves' m_{t-1}, which the loop reads and the kernel overwrites.
-  carried = [i for i in scoped if pending[i].moments is None]
+  # Through the branch: the XLA leaves' new f32 moments (the step returns them) and
+  # the Pallas leaves' m_{t-1} (the kernel overwrites it), read by the others.
+  ops = [
+    p.mu if p.moments is None else p.moments[0] for p in (pending[i] for i in scoped)
+  ]
+  reads = [(pending[i].grad, pending[i].param_mask) for i in scoped]
 
-  def vectors(mus):
-    mus = dict(zip(carried, mus, strict=True))
+  def vectors(ops, reads):
     out = []
-    for i in scoped:
+    for i, op, (grad, pm) in zip(scoped, ops, reads, strict=True):
       p = pending[i]
-      if p.moments is not None:  # XLA: m_t, already computed
-        m = p.moments[0].astype(p.mu.dtype)
-      else:  # m_t from m_{t-1}, computed again in each reduction
-        m = functools.partial(_moment, b1, mus[i], p.grad)
-      out.append((m, p.grad, p.param_mask))
+      if p.moments is not None:  # XLA: m_t as the state will hold it
+        m = op.astype(p.mu.dtype)
+      else:  # Pallas: m_t from m_{t-1}, computed again in each reduction
+        m = functools.partial(_moment, b1, op, grad)
+      out.append((m, grad, pm))
     return out
 
-  settled, plain, mus = _alignment.settle_sums(
+  settled, plain, ops = _alignment.settle_sums(
     [pending[i].layout for i in scoped],
     [pending[i].sums for i in scoped],
     vectors,
-    [pending[i].mu for i in carried],
+    ops,
+    reads,
     direct=False,  # ||m_t||^2 comes from a carry (or m_{t-1}): sum it again
   )
   pending = list(pending)
-  for i, mu in zip(carried, mus, strict=True):
-    pending[i] = pending[i]._replace(mu=mu)
   for j, i in enumerate(scoped):
-    pending[i] = pending[i]._replace(sums=settled[j])
+    p = pending[i]
+    if p.moments is None:
+      p = p._replace(mu=ops[j])
+    else:
+      p = p._replace(moments=(ops[j], p.moments[1]))
+    pending[i] = p._replace(sums=settled[j])
     sums[i], norms[i] = settled[j], plain[j]
   return pending, sums, norms
 

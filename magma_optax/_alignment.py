@@ -14,19 +14,21 @@ keeps the update's dtype. :func:`alignment_mask` applies this to whatever flows 
 it (its own EMA of the incoming updates is the momentum); :func:`magma_optax.magma`
 applies it to a base optimizer's update with the base's own first moment.
 
-**Exact cosines for every finite block.** The block sums ``<a, b>``, ``||a||^2``,
-``||b||^2`` are float32 and overflow once entries pass about ``1.8e19 / sqrt(block
-size)``. Such a block is not given up: its sums are recomputed with the overflowing
-vector divided by ``2**80`` (a power of two: exact), which keeps every finite float32
-entry's square and a sum of up to ``2**31`` of them below float32's maximum, while the
-entries that overflowed stay normal numbers (:func:`exact_sums`). The cosine is
-invariant to those scalings, so it is exact to float32 rounding for every block of
-finite entries. Ordinary steps pay nothing for this: :func:`settle_sums` recomputes
-the blocks whose plain sums are not finite in one loop of zero or one step for the
-whole parameter tree. Only a block holding an inf or NaN has no cosine (NaN); its
-score is kept (:func:`next_score`). Blocks whose entries are all below about
-``1e-19`` have squares that underflow float32 and a cosine of 0, as for a zero block
-(Adam's update there is ``lr |g| / eps``, about zero).
+**Exact cosines for every finite block, however large.** The block sums
+``<a, b>``, ``||a||^2``, ``||b||^2`` are float32 and overflow once entries pass about
+``1.8e19 / sqrt(block size)``. Such a block is not given up: its sums are computed
+again with the large vector divided by ``2**80`` (a power of two: exact), which
+keeps every finite float32 entry's square, and a sum of up to ``2**31`` of them,
+below float32's maximum, while the entries that overflowed stay normal numbers
+(:func:`exact_sums`). The cosine is invariant to those scalings, so it is exact to
+float32 rounding for every block of finite entries. Ordinary steps pay one test of
+the small per-block sums for this: :func:`settle_sums` recomputes them, for the
+whole parameter tree at once, in one branch that runs only when some block's sums
+are not finite. Only a block holding an inf or NaN has no cosine (NaN); its score
+is kept (:func:`next_score`). At the other end nothing is rescaled: entries below
+about ``1e-19`` have squares below float32's smallest normal number, which the sums
+lose, so a block of such tiny entries gets the cosine of its larger entries alone,
+or 0 (Adam's update there is about ``lr |g| / eps``: next to nothing).
 """
 
 from __future__ import annotations
@@ -107,8 +109,9 @@ def block_cosine(
   layout: _blocks.BlockLayout, a: jax.Array, b: jax.Array, axis_name: Any = None
 ) -> jax.Array:
   """Per-block cosine of ``a`` and ``b`` in f32: exact for every block of finite
-  entries (:func:`exact_sums`), 0 where either block is zero, NaN where the block
-  holds an inf or NaN (then :func:`next_score` keeps the block's score).
+  entries however large (:func:`exact_sums`; entries below about 1e-19 are lost to
+  float32 underflow, see the module docstring), 0 where either block is zero, NaN
+  where the block holds an inf or NaN (then :func:`next_score` keeps the score).
 
   ``axis_name`` (inside ``shard_map``): the mesh axes over which blocks are split;
   the per-block partial sums are ``psum``-ed over them before the cosine is formed.
@@ -234,6 +237,7 @@ def settle_sums(
   sums: list[tuple[jax.Array, jax.Array, jax.Array]],
   vectors: Any,
   operand: Any = (),
+  reads: Any = (),
   *,
   direct: bool = True,
 ) -> tuple[list[tuple[jax.Array, ...]], list[jax.Array], Any]:
@@ -243,10 +247,15 @@ def settle_sums(
     layouts: per leaf its block layout.
     sums: per leaf this step's float32 ``(<a, b>, ||a||^2, ||b||^2)``, ``||b||^2``
       summed directly over the entries ``vectors`` keeps.
-    vectors: ``vectors(operand) -> [(a, b, param_mask or None), ...]``, the leaves'
-      vectors, computed inside the loop from ``operand``.
-    operand: arrays ``vectors`` reads: buffers that the step overwrites later
-      (donated moments) must come in here, not from outside the branch.
+    vectors: ``vectors(operand, reads) -> [(a, b, param_mask or None), ...]``, the
+      leaves' vectors (arrays or callables, see :func:`exact_sums`), computed in
+      the branch; it may read other arrays from outside only if ``operand`` is
+      empty.
+    operand: arrays that the step returns or overwrites later (new or donated
+      moments): they pass through the branch, then a loop that updates them in
+      place, and the caller goes on with the ones returned; read from outside a
+      branch, XLA copies them on every step.
+    reads: other arrays ``vectors`` reads (gradients, parameter masks).
     direct: whether ``||a||^2`` too was summed directly (else it was derived, e.g.
       from a carry, and may be NaN where that was lost: it is summed again).
 
@@ -255,51 +264,73 @@ def settle_sums(
     are not finite, every leaf's recomputed by :func:`exact_sums` (equal to the
     given ones up to float32 rounding where those were finite); per leaf the
     unscaled ``||a||^2`` (summed directly in that case: a carry to keep); and
-    ``operand`` (use it from here on: under ``vmap`` it passed through a loop).
+    ``operand`` (use it from here on).
 
   One branch for the whole tree: ordinary steps pay one test of the small
   per-block sums, never a branch per leaf (a GPU waits on the host for a
-  branch's predicate).
+  branch's predicate). Reverse mode works through it under ``jax.jit`` and
+  ``lax.scan`` too: where the given sums are finite their derivatives pass
+  through, and recomputed blocks (non-finite sums) pass none.
   """
   sums = [tuple(jnp.asarray(x, jnp.float32) for x in s) for s in sums]
   if not sums:
     return [], [], operand
 
-  def rescue(args):
-    old, ops = args
+  def rescue(old, ops, rd):
     new, norms = [], []
-    for layout, s, (a, b, pm) in zip(layouts, old, vectors(ops), strict=True):
+    for layout, s, (a, b, pm) in zip(layouts, old, vectors(ops, rd), strict=True):
       exact, plain_aa = exact_sums(layout, a, b, s[1] if direct else None, s[2], pm)
       new.append(exact)
       norms.append(plain_aa)
     return new, norms
 
-  # One predicate for the tree (each sum reduced to a replicated scalar: a
-  # concatenation of differently sharded sums is an error on Explicit axes).
-  finite = jnp.stack([jnp.all(jnp.isfinite(x)) for s in sums for x in s])
-  pred = ~jnp.all(finite)
-  if jax.tree.leaves(operand) or _compat.batched(sums):
-    # A loop, whose carry is updated in place: buffers that the step overwrites
-    # later pass through it (read from outside, or by a cond, XLA copies them
-    # every step), and under jax.vmap a cond with a batched predicate runs both
-    # branches on every step, a loop only while some member needs it. The carry
-    # passes the operand through a barrier: an element a loop passes on
-    # untouched is hoisted out of it as an invariant, and copied. (Where a
-    # tangent flows, run_if is a cond.)
+  def finite(s):
+    return jnp.isfinite(s[0]) & jnp.isfinite(s[1]) & jnp.isfinite(s[2])
+
+  def pred(sums):
+    # One predicate for the tree (each leaf reduced to a replicated scalar: a
+    # concatenation of differently sharded sums is an error on Explicit axes).
+    return ~jnp.all(jnp.stack([jnp.all(finite(s)) for s in sums]))
+
+  if not jax.tree.leaves(operand) and not _compat.batched(sums):
+    # A cond: what it reads is not carried. (A loop's closure is part of its
+    # carry, which XLA copies where the step also returns those buffers.)
+    new, norms = jax.lax.cond(
+      pred(sums),
+      lambda args: rescue(args[0], (), args[1]),
+      lambda args: (args[0], [s[1] for s in args[0]]),
+      (sums, reads),
+    )
+    return new, norms, operand
+
+  # A loop, whose carry is updated in place: the operand passes through it (and
+  # under jax.vmap a cond with a batched predicate runs both branches on every
+  # step, a loop only while some member needs it). A loop has no reverse mode,
+  # hence the rule below.
+  @jax.custom_jvp
+  def looped(sums, operand, reads):
     def body(carry):
-      new, norms = rescue((carry[0], carry[2]))
+      new, norms = rescue(carry[0], carry[2], reads)
+      # Through a barrier: an element a loop passes on untouched is hoisted out
+      # of it as an invariant, and copied.
       return new, norms, jax.lax.optimization_barrier(carry[2])
 
-    norms = [s[1] for s in sums]
-    return _trees.run_if(pred, body, (sums, norms, operand))
-  # A cond elsewhere: it differentiates in reverse mode under jit and scan too
-  # (a loop does not, and a tangent is not visible there), and what it reads is
-  # not carried (a loop's closure is part of its carry, which XLA copies where
-  # the step also returns those buffers).
-  new, norms = jax.lax.cond(
-    pred, rescue, lambda args: (args[0], [s[1] for s in args[0]]), (sums, operand)
-  )
-  return new, norms, operand
+    return _trees.run_if(pred(sums), body, (sums, [s[1] for s in sums], operand))
+
+  @looped.defjvp
+  def _(primals, tangents):
+    sums, dsums, doperand = primals[0], tangents[0], tangents[1]
+    dnew = [
+      tuple(jnp.where(finite(s), d, 0.0) for d in ds)
+      for s, ds in zip(sums, dsums, strict=True)
+    ]
+    dnorms = [
+      jnp.where(jnp.isfinite(s[1]), ds[1], 0.0)
+      for s, ds in zip(sums, dsums, strict=True)
+    ]
+    return looped(*primals), (dnew, dnorms, doperand)
+
+  return looped(sums, operand, reads)
 
 
 def next_score(
@@ -403,7 +434,8 @@ class AlignmentRule(_engine.Rule):
     sums, _, _ = settle_sums(
       [leaf.plan.layout for leaf in leaves],
       [leaf.measured[1] for leaf in leaves],
-      lambda _: [(leaf.measured[0], leaf.signal, None) for leaf in leaves],
+      lambda _, reads: [(mu, g, None) for mu, g in reads],
+      reads=[(leaf.measured[0], leaf.signal) for leaf in leaves],
     )
     return [(leaf.measured[0], s) for leaf, s in zip(leaves, sums, strict=True)]
 

@@ -410,7 +410,8 @@ def block_cosine(
   Returns:
     f32 array of the (local) block shape, values in [-1, 1]: exact to float32
     rounding for every block of finite entries, also where its float32 sums
-    overflow (they are recomputed rescaled by a power of two); NaN for a block
+    overflow (they are recomputed rescaled by a power of two); entries below
+    about 1e-19, whose squares underflow float32, count as 0; NaN for a block
     that holds an inf or NaN (Magma keeps such a block's score).
 
   Example:
