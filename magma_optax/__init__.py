@@ -24,6 +24,7 @@ from magma_optax._scope_report import ScopeReport
 from magma_optax._scope_report import ScopeRow
 from magma_optax._scope_report import scope_report
 from magma_optax._sparse_state import SparseState
+from magma_optax._sparse_state import check_sparse_state
 from magma_optax._sparse_state import host_offload_available
 from magma_optax._sparse_state import offload_sparse_state
 from magma_optax._sparse_state import sparse_adam
@@ -53,6 +54,7 @@ __all__ = (
   "attention_mlp_weights",
   "bernoulli_mask",
   "block_layout",
+  "check_sparse_state",
   "damping",
   "host_offload_available",
   "linear_sparsity_schedule",

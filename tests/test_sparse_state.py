@@ -1007,6 +1007,24 @@ for axis_type in (AxisType.Auto, AxisType.Explicit):
     u, _ = step(p, state, p, param_mask={"w": good})  # the runtime still works
     assert int(jnp.sum(u["w"] != 0)) == 8 * 4
 print("raised on every device")
+# on_error="record" needs no mesh context: no callback, nothing for the other
+# devices to wait for (raise mode without one aborts the process).
+mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+sharding = NamedSharding(mesh, P("x", "y"))
+p = {"w": jax.device_put(jnp.ones((8, 16)), sharding)}
+tx = magma.sparse_adam(0.1, on_error="record", **kw)
+state, step = tx.init(p), jax.jit(tx.update)
+bad, good = (jax.device_put(jnp.asarray(m), sharding) for m in masks)
+u, state = step(p, state, p, param_mask={"w": bad})
+assert not jnp.any(u["w"]), u["w"]
+try:
+  magma.check_sparse_state(state)
+  raise SystemExit("not recorded")
+except ValueError as e:
+  assert "part (0, 0) of the 2x4 shard parts" in str(e), str(e)
+u, _ = step(p, state, p, param_mask={"w": good})
+assert int(jnp.sum(u["w"] != 0)) == 8 * 4
+print("recorded without a mesh context")
 """
 
 
@@ -1025,3 +1043,4 @@ def test_capacity_overflow_on_several_devices_is_an_error_not_an_abort():
   )
   assert run.returncode == 0, run.stderr[-3000:]
   assert "raised on every device" in run.stdout
+  assert "recorded without a mesh context" in run.stdout

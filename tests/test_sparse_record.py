@@ -1,0 +1,245 @@
+"""Tests for ``on_error="record"`` of sparse_state / sparse_adam and check_sparse_state.
+
+A step whose parameter mask fails a check of compact storage (capacity overflow, a
+mask not made of whole tiles) raises nothing in record mode: the failing leaf keeps
+its stored set (the mask is replaced by it), gets a zero update, and the first
+failure is kept in ``SparseState.errors`` until ``check_sparse_state`` raises it
+with the message that ``on_error="raise"`` gives.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import magma_optax as magma
+
+LR = 0.05
+
+
+def adam_sparse(**kw):
+  return magma.sparse_state(optax.adam(LR), **kw)
+
+
+def adam_fused(**kw):
+  return magma.sparse_adam(LR, **kw)
+
+
+def tiles_of(shape, block, tiles):
+  """A mask of ``shape`` with the listed ``(i, j)`` tiles of ``block`` active."""
+  m = np.zeros(shape, bool)
+  r, c = block
+  for i, j in tiles:
+    m[i * r : (i + 1) * r, j * c : (j + 1) * c] = True
+  return jnp.asarray(m)
+
+
+def first(n, shape):
+  return jnp.arange(math_prod(shape)).reshape(shape) < n
+
+
+def math_prod(shape):
+  return int(np.prod(shape))
+
+
+# name: (factory, storage arguments, shape of the checked leaf "w", a mask that
+# fits, a first failing mask, a second (other) failing mask)
+CASES = {
+  "flat": (
+    adam_sparse,
+    dict(mode="compact", density=0.25),
+    (16,),
+    first(4, (16,)),
+    first(6, (16,)),
+    first(9, (16,)),
+  ),
+  "flat, cache_index=False": (
+    adam_sparse,
+    dict(mode="compact", density=0.25, cache_index=False),
+    (16,),
+    first(4, (16,)),
+    first(6, (16,)),
+    first(9, (16,)),
+  ),
+  "N:M 2:4": (
+    adam_sparse,
+    dict(mode="compact", structure=(2, 4)),
+    (4, 8),
+    jnp.tile(jnp.asarray([True, False, True, False]), (4, 2)),
+    jnp.tile(jnp.asarray([True, True, True, False]), (4, 2)),
+    jnp.ones((4, 8), bool),
+  ),
+  "tiles": (
+    adam_sparse,
+    dict(mode="compact", density=0.25, block=(2, 4)),
+    (4, 8),
+    tiles_of((4, 8), (2, 4), [(1, 0)]),
+    tiles_of((4, 8), (2, 4), [(0, 0), (1, 1)]),
+    jnp.zeros((4, 8), bool).at[0, 0].set(True),  # not whole tiles
+  ),
+  "sparse_adam tiles": (
+    adam_fused,
+    dict(mode="compact", density=0.25, block=(2, 4)),
+    (4, 8),
+    tiles_of((4, 8), (2, 4), [(0, 1)]),
+    jnp.zeros((4, 8), bool).at[3, 7].set(True),  # not whole tiles
+    tiles_of((4, 8), (2, 4), [(0, 0), (1, 1)]),
+  ),
+  "sparse_adam tiles, shards=(2, 2)": (
+    adam_fused,
+    dict(mode="compact", density=0.25, block=(2, 2), shards=(2, 2)),
+    (8, 8),
+    tiles_of((8, 8), (2, 2), [(0, 0), (0, 3), (3, 0), (2, 2)]),  # 1 per part
+    tiles_of((8, 8), (2, 2), [(0, 0), (0, 3), (3, 0), (2, 2), (3, 3)]),  # 2 in (1, 1)
+    tiles_of((8, 8), (2, 2), [(0, 0), (1, 1)]),  # 2 in part (0, 0)
+  ),
+}
+
+
+def raised(tx, state, params, mask):
+  """The ValueError message of the raise-mode transform for this step (eager)."""
+  with pytest.raises(ValueError) as e:
+    tx.update(params, state, params, param_mask=mask)
+  return str(e.value)
+
+
+def without_errors(state):
+  return state._replace(errors=optax.MaskedNode())
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_failing_mask_is_recorded_and_the_leaf_left_on_its_stored_set(case):
+  factory, kw, shape, good, bad, other = CASES[case]
+  tx = factory(on_error="record", **kw)
+  strict = factory(**kw)
+  keys = jax.random.split(jax.random.key(0), 4)
+  params = {"w": jax.random.normal(keys[0], shape), "v": jnp.ones(shape)}
+  grads = [
+    {"w": jax.random.normal(k, shape), "v": jax.random.normal(k, shape) + 1.0}
+    for k in keys[1:]
+  ]
+  fits_v = good  # the other leaf's mask always fits
+  step = jax.jit(lambda g, s, m: tx.update(g, s, params, param_mask=m))
+
+  state = tx.init(params)
+  assert not np.any(np.asarray(state.errors))
+  _, state = step(grads[0], state, {"w": good, "v": fits_v})
+  magma.check_sparse_state(state)  # nothing recorded
+  want = raised(strict, without_errors(state), params, {"w": bad, "v": fits_v})
+
+  u, failed = step(grads[1], state, {"w": bad, "v": fits_v})
+  # The reference: the same step with the stored set (the mask that fitted).
+  u_ref, ref = step(grads[1], state, {"w": good, "v": fits_v})
+  np.testing.assert_array_equal(np.asarray(u["w"]), 0.0)
+  assert np.any(np.asarray(u_ref["w"]) != 0)  # control: a zero update means it
+  np.testing.assert_array_equal(np.asarray(u["v"]), np.asarray(u_ref["v"]))
+  for a, b in zip(
+    jax.tree.leaves(without_errors(failed)),
+    jax.tree.leaves(without_errors(ref)),
+    strict=True,
+  ):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(ValueError) as e:
+    magma.check_sparse_state(failed)
+  assert str(e.value) == want
+
+  # Another failure later: the first one stays recorded.
+  other_msg = raised(strict, without_errors(failed), params, {"w": other, "v": fits_v})
+  assert other_msg != want
+  u, later = step(grads[2], failed, {"w": other, "v": fits_v})
+  np.testing.assert_array_equal(np.asarray(u["w"]), 0.0)
+  with pytest.raises(ValueError) as e:
+    magma.check_sparse_state(later)
+  assert str(e.value) == want
+  # A mask that fits runs as usual (the record stays).
+  u, later = step(grads[2], later, {"w": good, "v": fits_v})
+  assert np.any(np.asarray(u["w"]) != 0)
+  with pytest.raises(ValueError):
+    magma.check_sparse_state(later)
+  assert step._cache_size() == 1
+
+
+def test_record_mode_raises_nothing_outside_jit_either():
+  factory, kw, shape, good, bad, _ = CASES["tiles"]
+  tx = factory(on_error="record", **kw)
+  params = {"w": jnp.ones(shape)}
+  state = tx.init(params)
+  u, state = tx.update(params, state, params, param_mask={"w": bad})
+  np.testing.assert_array_equal(np.asarray(u["w"]), 0.0)
+  with pytest.raises(ValueError, match="has 2 active tiles"):
+    magma.check_sparse_state(state)
+
+
+def test_record_mode_compiles_no_host_callback():
+  # One host callback in the compiled step makes XLA:CPU run every step
+  # synchronously; record mode has none (the raise mode has one: the control).
+  params = {"w": jnp.ones((4, 8))}
+  mask = {"w": jnp.ones((4, 8), bool)}
+  texts = {}
+  for on_error in magma._sparse_state.ON_ERROR:
+    tx = adam_fused(mode="compact", density=0.5, block=(2, 4), on_error=on_error)
+    step = jax.jit(lambda g, s, m, tx=tx: tx.update(g, s, params, param_mask=m))
+    texts[on_error] = step.lower(params, tx.init(params), mask).as_text()
+  assert "callback" in texts["raise"]
+  assert "callback" not in texts["record"]
+
+
+def test_check_sparse_state_finds_records_inside_wrappers_and_batches():
+  params = {"w": jnp.ones((4, 8)), "b": jnp.ones(8)}
+  matrices = lambda path, x: x.ndim == 2  # noqa: E731
+  inner = magma.sparse_adam(
+    LR, mode="compact", density=0.25, block=(2, 4), on_error="record",
+    where=matrices,
+  )  # fmt: skip
+  # periodic_mask keeps half of the 4 tiles: 2 > the capacity of 1 (a density too
+  # low for the sparsity), at its first refresh.
+  tx = optax.MultiSteps(
+    magma.periodic_mask(
+      inner, sparsity=0.5, block=(2, 4), start=0, every=10, where=matrices
+    ),
+    every_k_schedule=1,
+  )
+  state = tx.init(params)
+  magma.check_sparse_state(state)
+  u, state = jax.jit(tx.update)(params, state, params)
+  kept = np.asarray(state.inner_opt_state.mask["w"])
+  assert kept.sum() == 16  # 2 tiles
+  # The kept tiles get no update (nothing stored yet); periodic_mask zeroes the
+  # pruned ones (-p); the dense leaf takes its step.
+  np.testing.assert_array_equal(np.asarray(u["w"]), np.where(kept, 0.0, -1.0))
+  assert np.all(np.asarray(u["b"]) != 0)
+  with pytest.raises(ValueError, match=r"leaf \['w'\] \(4 tiles of 2x4\) has 2"):
+    magma.check_sparse_state(state)
+
+  # A vmapped batch of states: one element fails.
+  flat = magma.sparse_state(
+    optax.adam(LR), mode="compact", density=0.25, on_error="record"
+  )
+  p = {"w": jnp.ones(8)}
+  masks = jnp.stack([jnp.arange(8) < 2, jnp.arange(8) < 5])
+  states = jax.vmap(lambda _: flat.init(p))(jnp.arange(2))
+  step = jax.vmap(lambda s, m: flat.update(p, s, p, param_mask={"w": m}))
+  _, states = step(states, masks[:1].repeat(2, 0))
+  magma.check_sparse_state(states)  # both fit
+  _, states = step(states, masks)
+  with pytest.raises(ValueError, match="has 5 active entries"):
+    magma.check_sparse_state(states)
+  # Raise-mode states hold no record.
+  magma.check_sparse_state(magma.sparse_state(optax.adam(LR)).init(p))
+
+
+def test_a_record_from_another_process_gives_its_counts():
+  tx = adam_sparse(mode="compact", density=0.25, on_error="record")
+  p = {"w": jnp.ones(8)}
+  state = tx.init(p)
+  _, state = tx.update(p, state, p, param_mask={"w": jnp.arange(8) < 5})
+  foreign = state._replace(errors=state.errors.at[0].add(1))  # another tag
+  with pytest.raises(ValueError, match=r"another process .* counts \[5, 0"):
+    magma.check_sparse_state(foreign)
+
+
+@pytest.mark.parametrize("factory", [adam_sparse, adam_fused])
+def test_bad_on_error_is_refused(factory):
+  with pytest.raises(ValueError, match=r"on_error must be one of .*'warn'"):
+    factory(mode="compact", density=0.5, on_error="warn")
