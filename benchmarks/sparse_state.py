@@ -34,13 +34,20 @@ update with the entries scattered into it, ``p + u``), + 4 d with the cached ind
 compact update, ``p + u`` with the expansion fused; ``sparse_adam``, the same
 storage with its Adam step fused over the active tiles, the same model); and,
 outside optax's update/apply split, the tile step that scatter-adds into the
-donated parameters, 1 + 28 d. The model ratio is the model over 28.
+donated parameters, 1 + 28 d. The model ratio is the model over 28. Rows marked
+``on_error='record'`` compile no host callback for the mask checks (the default
+``"raise"`` does, and XLA:CPU then runs every step synchronously).
 
 Within a round every configuration is measured once, interleaved (in a seeded
 shuffled order), so the ratios compare runs under the same machine load. Table 1
 shows the best (minimum) time of ``--repeats`` rounds; table 2 the median over rounds
 of the ratios within each round (paired, which is steadier when the ratios are close
 to 1). ``--refresh-only`` skips table 1.
+
+``--host-ms 3`` makes the timed loop sleep 3 ms before each step (``--tiles``): host
+work that a step dispatched asynchronously overlaps, and a step with a host callback
+(sparse storage's default ``on_error="raise"``), which XLA:CPU runs synchronously,
+does not.
 
 ``--donate`` donates params and state to every step (as training loops usually do);
 on XLA:CPU that makes dense Adam about 2x faster, and the ratios larger.
@@ -111,12 +118,15 @@ def state_bytes(state) -> int:
   return sum(x.nbytes for x in jax.tree.leaves(state) if hasattr(x, "nbytes"))
 
 
-def timer(tx, params, grads, steps, mask=None, *, donate=False):
+def timer(tx, params, grads, steps, mask=None, *, donate=False, host_ms=0.0):
   """Returns a function timing ``steps`` jitted updates, and the initial state.
 
   Gradients and mask are jit arguments (closed-over constants would be folded).
   With ``donate`` the step donates params and state, as training loops usually do;
   every timed run then starts from fresh copies (made before the clock starts).
+  ``host_ms``: the loop waits that long before each step (``time.sleep``: host work
+  that does not use the CPU, such as waiting for the next batch), which an
+  asynchronously dispatched step overlaps.
   """
 
   @functools.partial(jax.jit, donate_argnums=(0, 1) if donate else ())
@@ -135,6 +145,8 @@ def timer(tx, params, grads, steps, mask=None, *, donate=False):
     jax.block_until_ready((p, s))
     t0 = time.perf_counter()
     for _ in range(steps):
+      if host_ms:
+        time.sleep(host_ms / 1e3)
       p, s = step(p, s, grads, mask)
     jax.block_until_ready((p, s))
     return (time.perf_counter() - t0) / steps
@@ -293,7 +305,7 @@ def direct_tile_step(params, density, block):
   return init, update
 
 
-def direct_timer(params, grads, mask, density, block, steps):
+def direct_timer(params, grads, mask, density, block, steps, host_ms=0.0):
   init, update = direct_tile_step(params, density, block)
   step = jax.jit(update, donate_argnums=(0, 1))
   state = init(params)
@@ -307,6 +319,8 @@ def direct_timer(params, grads, mask, density, block, steps):
     jax.block_until_ready((p, s))
     t0 = time.perf_counter()
     for _ in range(steps):
+      if host_ms:
+        time.sleep(host_ms / 1e3)
       p, s = step(p, s, grads, mask)
     jax.block_until_ready((p, s))
     return (time.perf_counter() - t0) / steps
@@ -341,6 +355,11 @@ def table_tiles(args):
       masks["element"],
       17 + 28 * d,
     ),
+    f"compact, element mask {d}, on_error='record'": (
+      magma.sparse_state(adam, mode="compact", density=d, on_error="record"),
+      masks["element"],
+      17 + 28 * d,
+    ),
     f"compact, element mask {d}, cache_index=False": (
       magma.sparse_state(adam, mode="compact", density=d, cache_index=False),
       masks["element"],
@@ -365,6 +384,13 @@ def table_tiles(args):
       mask,
       9 + 24 * d,
     )
+    configs[f"sparse_adam tiles {block[0]}x{block[1]} {d} (xla), on_error='record'"] = (
+      magma.sparse_adam(
+        1e-3, mode="compact", density=d, block=block, on_error="record"
+      ),
+      mask,
+      9 + 24 * d,
+    )
   if args.shards:  # per-shard tile storage (on one device: the cost of the parts)
     block, parts = args.blocks[0], args.shards
     name = f"sparse_adam tiles {block[0]}x{block[1]} {d}, shards={parts}"
@@ -375,11 +401,15 @@ def table_tiles(args):
     )
   runners, bytes_, model = {}, {}, {}
   for name, (tx, mask, bpp) in configs.items():
-    runners[name], st = timer(tx, params, grads, args.steps, mask, donate=args.donate)
+    runners[name], st = timer(
+      tx, params, grads, args.steps, mask, donate=args.donate, host_ms=args.host_ms
+    )
     bytes_[name], model[name] = state_bytes(st), bpp
   block = args.blocks[0]
   direct = f"tiles {block[0]}x{block[1]} {d}, scatter-add into params (no optax split)"
-  runners[direct] = direct_timer(params, grads, masks[block], d, block, args.steps)
+  runners[direct] = direct_timer(
+    params, grads, masks[block], d, block, args.steps, args.host_ms
+  )
   bytes_[direct] = bytes_[f"compact tiles {block[0]}x{block[1]} {d}"]
   model[direct] = 1 + 28 * d
   times = interleaved(runners, args.repeats)
@@ -387,7 +417,9 @@ def table_tiles(args):
   print(
     f"\nAll storages at density {d}: {n:,} parameters ({args.layers} x"
     f" {args.width}x{args.width}), {args.steps} steps x {args.repeats} rounds,"
-    f"{' donated,' if args.donate else ''} dense Adam"
+    f"{' donated,' if args.donate else ''}"
+    f"{f' {args.host_ms:g} ms of host wait per step,' if args.host_ms else ''}"
+    " dense Adam"
     f" {statistics.median(times[ref]) * 1e3:.2f} ms per step (median)"
   )
   print(
@@ -430,6 +462,12 @@ def main():
     type=lambda v: tuple(int(x) for x in v.split("x")),
     default=None,
     help="with --tiles, also per-shard tile storage of the first block, e.g. 2x4",
+  )
+  ap.add_argument(
+    "--host-ms",
+    type=float,
+    default=0.0,
+    help="with --tiles, the loop sleeps this long before each step (host work)",
   )
   args = ap.parse_args()
 
