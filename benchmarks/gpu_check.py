@@ -370,8 +370,8 @@ def sparse_training(
   width: int, layers: int, rounds: int, steps: int, pallas: bool = True
 ) -> None:
   """Refresh cost at every=100 and ordinary steps, donated, on this device; and
-  ``sparse_adam`` (skip storage; tile storage at density 0.3 with the XLA path and,
-  if ``pallas``, the tile kernel)."""
+  ``sparse_adam`` (skip storage; tile storage at density 0.3 with the XLA path, also
+  with ``on_error="record"``, and, if ``pallas``, the tile kernel)."""
   params = sparse_state.make_params(width, layers)
   grads = jax.tree.map(lambda x: jnp.full_like(x, 0.01), params)
   adam = optax.adam(1e-3)
@@ -379,12 +379,17 @@ def sparse_training(
   block = (8, min(128, width))
   tile_mask = sparse_state.random_tile_mask(params, 0.3, block)
   matrices = lambda path, x: x.ndim == 2
-  tile_runs = {"xla": "xla", **({"pallas": "pallas"} if pallas else {})}
+  # (implementation, on_error): "record" compiles no host callback for the checks.
+  tile_runs = {
+    "xla": ("xla", "raise"),
+    "xla, on_error='record'": ("xla", "record"),
+    **({"pallas": ("pallas", "raise")} if pallas else {}),
+  }
   tile_runners = {}
-  for name, impl in tile_runs.items():
+  for name, (impl, on_error) in tile_runs.items():
     tx = magma.sparse_adam(
       1e-3, mode="compact", density=0.3, block=block, where=matrices,
-      implementation=impl,
+      implementation=impl, on_error=on_error,
     )  # fmt: skip
     try:
       tile_runners[f"sparse_adam tiles {block}, density 0.3 [{name}]"] = (
