@@ -1701,8 +1701,8 @@ def _transformation(
     raise ValueError(
       f"sparse_state: the state was not built by this transform's init ({where})."
       " Was it built with other storage arguments (mode, density, structure,"
-      " block, shards, where, density_threshold)? Use the same ones, or call"
-      " init again."
+      " block, shards, where, density_threshold, on_error)? Use the same ones,"
+      " or call init again."
     )
 
   def update_fn(updates, state, params=None, *, param_mask=None, **extra_args):

@@ -243,3 +243,13 @@ def test_a_record_from_another_process_gives_its_counts():
 def test_bad_on_error_is_refused(factory):
   with pytest.raises(ValueError, match=r"on_error must be one of .*'warn'"):
     factory(mode="compact", density=0.5, on_error="warn")
+
+
+def test_a_state_of_the_other_on_error_setting_is_refused_clearly():
+  p = {"w": jnp.ones(8)}
+  kw = dict(mode="compact", density=0.25)
+  recording, raising = adam_sparse(on_error="record", **kw), adam_sparse(**kw)
+  mask = {"w": jnp.arange(8) < 2}
+  for tx, other in ((recording, raising), (raising, recording)):
+    with pytest.raises(ValueError, match=r"structure differs.*on_error"):
+      tx.update(p, other.init(p), p, param_mask=mask)
