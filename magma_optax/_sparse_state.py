@@ -155,6 +155,7 @@ divide the parts) is a
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
@@ -209,11 +210,11 @@ class SparseState(NamedTuple):
       steps with an all-inactive mask; ``optax.MaskedNode`` otherwise.
     cold: per scoped leaf (offload mode) a bool scalar, ``inactive_steps >=
       offload_after`` (read by :func:`offload_sparse_state`).
-    errors: with ``on_error="record"``, an int32 vector of ``2 + 8`` entries,
+    errors: with ``on_error="record"``, an int32 vector of ``1 + 8`` entries,
       all zero until a step's parameter mask fails a check of compact storage
       (capacity overflow, a mask not made of whole tiles); then the first such
-      failure (a process tag, the check, its counts), kept until the state is
-      initialised again and raised by :func:`check_sparse_state`.
+      failure (the check's id, its counts), kept until the state is initialised
+      again (or this field zeroed) and raised by :func:`check_sparse_state`.
       ``optax.MaskedNode`` with ``on_error="raise"``.
   """
 
@@ -423,11 +424,21 @@ def _check_capacity(active: jax.Array, limit: int, describe) -> _Check:
 
 
 ON_ERROR = ("raise", "record")
-# A recorded failure: [process tag, check id, up to _ERROR_VALUES counts].
+# A recorded failure: [check id, up to _ERROR_VALUES counts].
 _ERROR_VALUES = 8
 # The checks of recording steps traced in this process, by id: (message, counts).
 _RECORDED_CHECKS: dict[int, Any] = {}
-_PROCESS_TAG = int(np.random.default_rng().integers(1, 2**31 - 1))
+
+
+def _check_id(check: _Check) -> int:
+  """A nonzero int32 id of ``check``'s message, the same in every process: a CRC
+  of its text at two sample counts, which holds everything static it says (the
+  leaf, its size, the capacity and how it was set). The step compiles it as a
+  constant, so it must not depend on the process (the persistent compilation
+  cache and several processes compiling one program)."""
+  n = len(check.values)
+  text = "\n".join(check.describe(*[k] * n) for k in (0, 1))
+  return zlib.crc32(text.encode()) % (2**31 - 1) + 1
 
 
 def _record(checks: list[_Check], errors: jax.Array) -> jax.Array:
@@ -440,7 +451,7 @@ def _record(checks: list[_Check], errors: jax.Array) -> jax.Array:
   for c in checks:
     if len(c.values) > _ERROR_VALUES:  # the storages' checks have at most 2 + ndim
       raise ValueError(f"a check with {len(c.values)} counts cannot be recorded.")
-    ids.append(len(_RECORDED_CHECKS) + 1)
+    ids.append(_check_id(c))
     _RECORDED_CHECKS[ids[-1]] = (c.describe, len(c.values))
     values = [jnp.asarray(v, jnp.int32) for v in c.values]
     rows.append(
@@ -448,12 +459,10 @@ def _record(checks: list[_Check], errors: jax.Array) -> jax.Array:
     )
   bads = jnp.stack([jnp.asarray(c.bad) for c in checks])
   first = jnp.argmax(bads)
-  now = jnp.concatenate([
-    jnp.asarray([_PROCESS_TAG], jnp.int32),
-    jnp.asarray(ids, jnp.int32)[first][None],
-    jnp.stack(rows)[first],
-  ])  # fmt: skip
-  keep = (errors[1] != 0) | ~jnp.any(bads)
+  now = jnp.concatenate(
+    [jnp.asarray(ids, jnp.int32)[first][None], jnp.stack(rows)[first]]
+  )
+  keep = (errors[0] != 0) | ~jnp.any(bads)
   return jnp.where(keep, errors, now)
 
 
@@ -462,23 +471,28 @@ def check_sparse_state(opt_state: Any) -> None:
 
   With ``on_error="record"``, a step whose parameter mask fails a check of compact
   storage (more active entries, groups or tiles than the capacity, or a mask not
-  made of whole tiles) raises nothing: it leaves the failing leaves as they were
-  (zero update, stored state unchanged) and records the first failure in
-  :attr:`SparseState.errors`. This reads those records (a transfer of 40 bytes per
-  :class:`SparseState`, which waits for the step that wrote them) and raises the
-  ``ValueError`` that ``on_error="raise"`` would have raised. Call it where the
-  training loop already reads values from the device (its logging steps).
+  made of whole tiles) raises nothing: a failing leaf keeps its stored entries or
+  tiles (its mask is replaced by them; its stored moments take the step there),
+  gets a zero update, and the first failure is recorded in
+  :attr:`SparseState.errors`. This reads those records (36 bytes per
+  :class:`SparseState`, a transfer that waits for the step that wrote them) and
+  raises the ``ValueError`` that ``on_error="raise"`` would have raised. Call it
+  where the training loop already reads values from the device (its logging
+  steps). With several :class:`SparseState` values holding records, the first in
+  tree order is raised (each keeps its own first failure).
 
   Args:
     opt_state: an optimizer state, or any pytree holding :class:`SparseState`
-      values
-      (inside ``optax.chain``, ``periodic_mask``, ``optax.MultiSteps``,
+      values (inside ``optax.chain``, ``periodic_mask``, ``optax.MultiSteps``,
       ``inject_hyperparams``, a batch of states from ``jax.vmap``).
 
   Raises:
     ValueError: the recorded failure's message: the leaf, the counts, the
-      capacity and the fix. A record written by another process (a restored
-      checkpoint) gives the counts only.
+      capacity and the fix. The message is known once this process has traced a
+      step of the same transformation (a state restored from a checkpoint,
+      before any step: its counts only). Also a ``ValueError`` when
+      ``opt_state`` holds no :class:`SparseState` at all (a checkpoint restored
+      without its target structure comes back as dicts: restore it with one).
 
   Example:
     >>> import jax, jax.numpy as jnp, optax
@@ -490,28 +504,37 @@ def check_sparse_state(opt_state: Any) -> None:
     >>> step = jax.jit(lambda g, s, m: tx.update(g, s, params, param_mask=m))
     >>> too_dense = {"w": jnp.ones((4, 4), bool)}  # 16 active, capacity 4
     >>> updates, state = step(params, state, too_dense)
-    >>> float(jnp.abs(updates["w"]).max())  # nothing was written
+    >>> float(jnp.abs(updates["w"]).max())  # no update for the failing leaf
     0.0
     >>> magma.check_sparse_state(state)
     Traceback (most recent call last):
     ...
     ValueError: sparse_state compact capacity overflow: leaf ['w'] (size 16) ...
   """
-  states = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, SparseState))
+  is_state = lambda x: isinstance(x, SparseState)  # noqa: E731
+  states = [x for x in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(x)]
+  if not states:
+    raise ValueError(
+      "check_sparse_state: opt_state holds no SparseState (the state of"
+      " sparse_state / sparse_adam); got a"
+      f" {type(opt_state).__name__}. A checkpoint restored without its target"
+      " structure comes back as dicts: restore it with the state of tx.init as"
+      " the target."
+    )
   for st in states:
-    if not isinstance(st, SparseState) or _trees.is_masked(st.errors):
+    if _trees.is_masked(st.errors):
       continue
-    records = np.asarray(st.errors).reshape(-1, 2 + _ERROR_VALUES)
-    for tag, check, *values in records.tolist():
+    records = np.asarray(st.errors).reshape(-1, 1 + _ERROR_VALUES)
+    for check, *values in records.tolist():
       if not check:
         continue
-      known = _RECORDED_CHECKS.get(check) if tag == _PROCESS_TAG else None
+      known = _RECORDED_CHECKS.get(check)
       if known is None:
         raise ValueError(
-          "sparse_state recorded a failed check of its parameter mask in another"
-          f" process (check {check}, counts {values}): a capacity overflow or a"
-          " mask not made of whole tiles. Run one step with on_error='raise' for"
-          " the full message."
+          "sparse_state recorded a failed check of its parameter mask (check"
+          f" {check}, counts {values}): a capacity overflow or a mask not made of"
+          " whole tiles. Its message is known once this process has traced a"
+          " step of the same transformation: run one step, then call this again."
         )
       describe, n = known
       raise ValueError(describe(*values[:n]))
@@ -877,32 +900,38 @@ class _Tiles(_Storage):
 
   def prepare(self, mask, bits, grad, record=False):
     _reject_explicit(grad, mask, "compact tile storage", "tiles")
-    idx, new_bits, changed, differ, n_active = self.tile_set(mask, bits, record)
+    flat, differ = self.tiles_of(mask)
+    # Recording, a mask that fails the checks is replaced by the stored tiles.
+    fallback = differ | (jnp.sum(flat) > self.capacity) if record else None
+    idx, new_bits, changed, n_active = self.tile_set(flat, bits, fallback)
     check = _Check(
       differ | (n_active > self.capacity), self._problem, (differ, n_active)
     )
     return idx, new_bits, changed, check
 
-  def tile_set(self, mask, bits, record=False):
-    """The active tiles' sorted indices, the new bits, whether the stored set
-    changed, whether the mask is not made of whole tiles, and the active count.
-    With ``record``, a mask that fails those checks is replaced by the stored
-    tiles."""
+  def tiles_of(self, mask):
+    """Per tile whether it is active (its first entry), flat; and whether the mask
+    is not made of whole tiles."""
     m4 = mask.reshape(self.view).astype(jnp.uint8)
     # One pass over the mask: every entry must equal its tile's first entry. A max
     # of uint8 xors: on XLA:CPU 2.5x faster than any() of a boolean comparison,
     # which it materialises before reducing.
     differ = jnp.max(m4 ^ m4[:, :1, :, :1], initial=0) > 0
-    flat = m4[:, 0, :, 0].reshape(-1) > 0
-    if record:
+    return m4[:, 0, :, 0].reshape(-1) > 0, differ
+
+  def tile_set(self, flat, bits, fallback=None):
+    """The sorted indices of the active tiles ``flat``, the new bits, whether the
+    stored set changed, and the active count. Where ``fallback`` holds, the stored
+    tiles instead (and the count of ``flat``)."""
+    if fallback is None:
+      idx, n_active = _active_indices(flat, self.capacity)
+    else:
       n_active = jnp.sum(flat, dtype=jnp.int32)
       stored = jnp.unpackbits(bits, count=self.num_tiles).astype(jnp.bool_)
-      flat = jnp.where(differ | (n_active > self.capacity), stored, flat)
+      flat = jnp.where(fallback, stored, flat)
       idx, _ = _active_indices(flat, self.capacity)
-    else:
-      idx, n_active = _active_indices(flat, self.capacity)
     new_bits = jnp.packbits(flat)
-    return idx, new_bits, jnp.any(new_bits != bits), differ, n_active
+    return idx, new_bits, jnp.any(new_bits != bits), n_active
 
   def remap(self, ctx, x, bits):
     old_tiles = jnp.unpackbits(bits, count=self.num_tiles).astype(jnp.bool_)
@@ -1003,11 +1032,13 @@ class _ShardedTiles(_Storage):
   def prepare(self, mask, bits, grad, record=False):
     self._check_explicit(grad)
     self._check_explicit(mask)
-    idx, new_bits, changed, differ, n_active = self.per_part(
-      lambda m, b: self.part.tile_set(m, b, record),
-      _topk.split_parts(mask, self.parts),
-      bits,
+    flat, differ = self.per_part(
+      self.part.tiles_of, _topk.split_parts(mask, self.parts)
     )
+    if record:  # the parts' counts first: a failing leaf keeps every part's tiles
+      n_active = self.per_part(lambda f: jnp.sum(f, dtype=jnp.int32), flat)
+    else:
+      idx, new_bits, changed, n_active = self.per_part(self.part.tile_set, flat, bits)
 
     def worst(differ, n_active):
       # The part the error names: the first one not made of whole tiles, else the
@@ -1022,6 +1053,10 @@ class _ShardedTiles(_Storage):
     check = _Check(
       differ | (n_active > self.capacity), self._problem, (differ, n_active, *where)
     )
+    if record:
+      idx, new_bits, changed, _ = self.per_part(
+        self.part.tile_set, flat, bits, check.bad, in_axes=(0, 0, None)
+      )
     return idx, new_bits, jnp.any(changed), check
 
   def _problem(self, differ: int, active: int, *where: int) -> str:
@@ -1216,9 +1251,10 @@ def sparse_state(
       step returns nothing; the callback's presence alone makes XLA:CPU run
       every step synchronously (the call waits for the step to finish), which
       cost ~0.2x of an Adam step on the 4 M-parameter tile benchmark.
-      ``"record"``: no callback; a leaf whose mask fails is left as it was (zero
-      update, stored state unchanged; other leaves take their step, and the
-      base's step counter advances), and the first failure is recorded in
+      ``"record"``: no callback; a leaf whose mask fails keeps its stored
+      entries or tiles (its mask is replaced by them, and its stored moments
+      take the step there) and gets a zero update; other leaves take their step.
+      The first failure is recorded in
       :attr:`SparseState.errors` for :func:`check_sparse_state` to raise, with
       the same message, where the loop reads values anyway (as
       ``optax.apply_if_finite`` skips and counts). Nothing is raised by the
@@ -1450,7 +1486,7 @@ def sparse_adam(
 # What optax.inject_hyperparams must leave static (numbers that shape the step).
 sparse_adam.static_args = (
   "b1", "b2", "eps", "eps_root", "density", "density_threshold", "offload_after",
-  "axis", "cache_index", "shards",
+  "axis", "cache_index", "shards", "where", "interpret",
 )  # fmt: skip
 
 
@@ -1653,7 +1689,7 @@ def _transformation(
         [s if _trees.is_masked(s) else s >= offload_after for s in steps]
       ),
       errors=(
-        jnp.zeros((2 + _ERROR_VALUES,), jnp.int32) if record else optax.MaskedNode()
+        jnp.zeros((1 + _ERROR_VALUES,), jnp.int32) if record else optax.MaskedNode()
       ),
     )
 

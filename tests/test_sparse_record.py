@@ -91,7 +91,9 @@ CASES = {
     dict(mode="compact", density=0.25, block=(2, 2), shards=(2, 2)),
     (8, 8),
     tiles_of((8, 8), (2, 2), [(0, 0), (0, 3), (3, 0), (2, 2)]),  # 1 per part
-    tiles_of((8, 8), (2, 2), [(0, 0), (0, 3), (3, 0), (2, 2), (3, 3)]),  # 2 in (1, 1)
+    # 2 tiles in part (1, 1); part (0, 0) moves to another tile, which a failing
+    # leaf must not do either (it keeps every part's stored tiles).
+    tiles_of((8, 8), (2, 2), [(1, 1), (0, 3), (3, 0), (2, 2), (3, 3)]),
     tiles_of((8, 8), (2, 2), [(0, 0), (1, 1)]),  # 2 in part (0, 0)
   ),
 }
@@ -227,16 +229,83 @@ def test_check_sparse_state_finds_records_inside_wrappers_and_batches():
     magma.check_sparse_state(states)
   # Raise-mode states hold no record.
   magma.check_sparse_state(magma.sparse_state(optax.adam(LR)).init(p))
+  # With several SparseStates holding records, the first in tree order.
+  two = optax.multi_transform(
+    {"a": flat, "b": flat}, {"w": "a", "x": "b"}
+  )  # fmt: skip
+  p2 = {"w": jnp.ones(8), "x": jnp.ones(8)}
+  s2 = two.init(p2)
+  m2 = {"w": jnp.arange(8) < 2, "x": jnp.arange(8) < 6}
+  _, s2 = two.update(p2, s2, p2, param_mask=m2)
+  m2 = {"w": jnp.arange(8) < 7, "x": jnp.arange(8) < 2}
+  _, s2 = two.update(p2, s2, p2, param_mask=m2)
+  with pytest.raises(ValueError, match=r"leaf \['w'\] \(size 8\) has 7"):
+    magma.check_sparse_state(s2)
 
 
-def test_a_record_from_another_process_gives_its_counts():
+def test_a_record_of_a_check_not_traced_here_gives_its_counts():
   tx = adam_sparse(mode="compact", density=0.25, on_error="record")
   p = {"w": jnp.ones(8)}
   state = tx.init(p)
   _, state = tx.update(p, state, p, param_mask={"w": jnp.arange(8) < 5})
-  foreign = state._replace(errors=state.errors.at[0].add(1))  # another tag
-  with pytest.raises(ValueError, match=r"another process .* counts \[5, 0"):
-    magma.check_sparse_state(foreign)
+  unknown = state._replace(errors=state.errors.at[0].add(1))
+  with pytest.raises(ValueError, match=r"check \d+, counts \[5, 0.* run one step"):
+    magma.check_sparse_state(unknown)
+
+
+def test_record_steps_compile_the_same_program_in_every_trace():
+  # The check ids are compiled in: they must not depend on the process (the
+  # persistent compilation cache, several processes compiling one program). A
+  # fresh registry stands for a new process.
+  p = {"w": jnp.ones((4, 8)), "v": jnp.ones(16)}
+  masks = {"w": jnp.ones((4, 8), bool) & False, "v": jnp.ones(16, bool)}
+
+  def lowered():
+    tx = adam_sparse(mode="compact", density=0.25, on_error="record")
+    step = jax.jit(lambda g, s, m: tx.update(g, s, p, param_mask=m))
+    return tx, step, step.lower(p, tx.init(p), masks).as_text()
+
+  registry = magma._sparse_state._RECORDED_CHECKS
+  saved = dict(registry)
+  try:
+    registry.clear()
+    tx, step, first = lowered()
+    assert lowered()[2] == first
+    # A record made before the registry was filled is raised in full once a
+    # step of the same transformation was traced.
+    _, state = step(p, tx.init(p), masks)
+    registry.clear()
+    with pytest.raises(ValueError, match="run one step"):
+      magma.check_sparse_state(state)
+    lowered()
+    with pytest.raises(ValueError, match=r"leaf \['v'\] \(size 16\) has 16 active"):
+      magma.check_sparse_state(state)
+  finally:
+    registry.update(saved)
+
+
+def test_check_sparse_state_refuses_a_state_without_sparse_state():
+  p = {"w": jnp.ones(8)}
+  with pytest.raises(ValueError, match="holds no SparseState.*target"):
+    magma.check_sparse_state(optax.adam(LR).init(p))
+  with pytest.raises(ValueError, match="holds no SparseState"):
+    magma.check_sparse_state({"base_state": {}, "errors": np.zeros(9, np.int32)})
+
+
+def test_inject_hyperparams_with_where():
+  p = {"w": jnp.ones((4, 8)), "b": jnp.ones(8)}
+  tx = optax.inject_hyperparams(
+    magma.sparse_adam, static_args=magma.sparse_adam.static_args
+  )(
+    learning_rate=LR, mode="compact", density=0.5, block=(2, 4),
+    where=lambda path, x: x.ndim == 2, on_error="record",
+  )  # fmt: skip
+  state = tx.init(p)
+  mask = {"w": tiles_of((4, 8), (2, 4), [(0, 0)]), "b": jnp.ones(8, bool)}
+  u, state = jax.jit(lambda s: tx.update(p, s, p, param_mask=mask))(state)
+  assert int(jnp.sum(u["w"] != 0)) == 8
+  assert np.all(np.asarray(u["b"]) != 0)
+  magma.check_sparse_state(state)
 
 
 @pytest.mark.parametrize("factory", [adam_sparse, adam_fused])
