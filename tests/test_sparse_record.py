@@ -54,14 +54,6 @@ CASES = {
     first(6, (16,)),
     first(9, (16,)),
   ),
-  "flat, cache_index=False": (
-    adam_sparse,
-    dict(mode="compact", density=0.25, cache_index=False),
-    (16,),
-    first(4, (16,)),
-    first(6, (16,)),
-    first(9, (16,)),
-  ),
   "N:M 2:4": (
     adam_sparse,
     dict(mode="compact", structure=(2, 4)),
@@ -97,6 +89,13 @@ CASES = {
     tiles_of((8, 8), (2, 2), [(0, 0), (1, 1)]),  # 2 in part (0, 0)
   ),
 }
+
+
+CASES["flat, cache_index=False"] = (
+  adam_sparse,
+  dict(mode="compact", density=0.25, cache_index=False),
+  *CASES["flat"][2:],
+)
 
 
 def raised(tx, state, params, mask):
