@@ -353,6 +353,19 @@ def _active_indices(flat_mask: jax.Array, size: int) -> tuple[jax.Array, jax.Arr
   return indices, jnp.sum(count)
 
 
+def _active_or_stored(
+  flat: jax.Array, packed: jax.Array, capacity: int, also: Any = False
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """:func:`_active_indices` of ``flat`` -- or, where it has more active items than
+  ``capacity`` or ``also`` holds, of the stored set ``packed`` (packed bits) --,
+  the number of active items of ``flat``, and the set whose indices these are
+  (``on_error="record"``: a mask that does not fit leaves the stored set)."""
+  n_active = jnp.sum(flat, dtype=jnp.int32)
+  stored = jnp.unpackbits(packed, count=flat.shape[0]).astype(jnp.bool_)
+  flat = jnp.where((n_active > capacity) | also, stored, flat)
+  return _active_indices(flat, capacity)[0], n_active, flat
+
+
 def _explicit_axes(x: Any) -> set[str]:
   """Mesh axes of type ``Explicit`` that shard ``x`` (empty outside such meshes)."""
   sharding = getattr(jax.typeof(x), "sharding", None)
@@ -778,14 +791,10 @@ class _Compact(_Storage):
     flat = mask.reshape(-1)
     if not self.cache_index:
       if record:  # a mask that does not fit: the stored entries instead
-        n_active = jnp.sum(flat, dtype=jnp.int32)
-        check = _check_capacity(n_active, self.capacity, self._overflow)
-        stored = jnp.unpackbits(bits, count=self.size).astype(jnp.bool_)
-        flat = jnp.where(check.bad, stored, flat)
-        idx, _ = _active_indices(flat, self.capacity)
+        idx, n_active, flat = _active_or_stored(flat, bits, self.capacity)
       else:
         idx, n_active = _active_indices(flat, self.capacity)
-        check = _check_capacity(n_active, self.capacity, self._overflow)
+      check = _check_capacity(n_active, self.capacity, self._overflow)
       new_bits = jnp.packbits(flat)
       return idx, new_bits, jnp.any(new_bits != bits), check
     new_bits = jnp.packbits(flat)
@@ -803,13 +812,9 @@ class _Compact(_Storage):
     """The active entries' indices and count; given the ``stored`` packed bits, a
     mask with more active entries than the capacity gives the stored ones'
     indices (and its own count)."""
-    flat = mask.reshape(-1)
     if stored is None:
-      return _active_indices(flat, self.capacity)
-    n_active = jnp.sum(flat, dtype=jnp.int32)
-    stored = jnp.unpackbits(stored, count=self.size).astype(jnp.bool_)
-    flat = jnp.where(n_active > self.capacity, stored, flat)
-    return _active_indices(flat, self.capacity)[0], n_active
+      return _active_indices(mask.reshape(-1), self.capacity)
+    return _active_or_stored(mask.reshape(-1), stored, self.capacity)[:2]
 
   def rebuilt_check(self, n_active):
     return _check_capacity(n_active, self.capacity, self._overflow)
@@ -902,7 +907,7 @@ class _Tiles(_Storage):
     _reject_explicit(grad, mask, "compact tile storage", "tiles")
     flat, differ = self.tiles_of(mask)
     # Recording, a mask that fails the checks is replaced by the stored tiles.
-    fallback = differ | (jnp.sum(flat) > self.capacity) if record else None
+    fallback = differ if record else None
     idx, new_bits, changed, n_active = self.tile_set(flat, bits, fallback)
     check = _Check(
       differ | (n_active > self.capacity), self._problem, (differ, n_active)
@@ -922,14 +927,12 @@ class _Tiles(_Storage):
   def tile_set(self, flat, bits, fallback=None):
     """The sorted indices of the active tiles ``flat``, the new bits, whether the
     stored set changed, and the active count. Where ``fallback`` holds, the stored
-    tiles instead (and the count of ``flat``)."""
+    tiles instead, as where ``flat`` has more than the capacity (and the count of
+    ``flat``)."""
     if fallback is None:
       idx, n_active = _active_indices(flat, self.capacity)
     else:
-      n_active = jnp.sum(flat, dtype=jnp.int32)
-      stored = jnp.unpackbits(bits, count=self.num_tiles).astype(jnp.bool_)
-      flat = jnp.where(fallback, stored, flat)
-      idx, _ = _active_indices(flat, self.capacity)
+      idx, n_active, flat = _active_or_stored(flat, bits, self.capacity, fallback)
     new_bits = jnp.packbits(flat)
     return idx, new_bits, jnp.any(new_bits != bits), n_active
 
