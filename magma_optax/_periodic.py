@@ -42,13 +42,13 @@ gradients for pruned weights); zero-size leaves are scoped but have nothing to r
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from magma_optax import _compat
@@ -201,7 +201,11 @@ def periodic_mask(
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with a :class:`PeriodicMaskState`;
-    ``params`` must be passed to ``update``.
+    ``params`` must be passed to ``update``. Its ``init`` tells ``inner`` the
+    densest mask each leaf will get (all-active before ``start`` and where a ramp
+    starts; else the first refresh's count, per leaf or shard part; its tiles and
+    N:M groups): compact storage of :func:`sparse_state` inside raises a
+    ``ValueError`` there, before any step, where that mask cannot fit.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -325,10 +329,7 @@ def periodic_mask(
     # tile while the leaf's top-k would keep some, the layer would be pruned whole.
     tiles = math.prod(shape[:-2]) * (shape[-2] // block[0]) * (shape[-1] // block[1])
     per_part = tiles // math.prod(parts)
-
-    def keep(n):
-      return n - min(n, int(np.round(np.float32(final) * np.float32(n))))
-
+    keep = functools.partial(_topk.num_keep_host, final)
     if keep(per_part) == 0 < keep(tiles):
       raise ValueError(
         f"periodic_mask: shards={parts} splits the {tiles} tiles of leaf {name} into"
@@ -337,6 +338,85 @@ def periodic_mask(
         f" pruned where one top-k would keep {keep(tiles)} tiles. Use fewer shards,"
         " smaller tiles or a lower sparsity, or scope the leaf out with `where`."
       )
+
+  def first_target():
+    """The target sparsity of the first refresh (at ``start``), as a float, or
+    ``None`` where it is not known at init (a traced hyperparameter)."""
+    with jax.ensure_compile_time_eval():
+      s0 = _schedules.evaluate_fraction(sparsity, jnp.int32(start))
+    return None if _compat.is_tracer(s0) else float(s0)
+
+  def bounds_of(plans, params):
+    """Per scoped leaf (by key path), the densest mask this wrapper will hand its
+    inner transform (:class:`magma_optax._topk.MaskBound`): :func:`sparse_state`'s
+    init checks its compact storage against it."""
+    paths_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    leaves = []  # (key path, shape, units a top-k ranks, their parts)
+    for p, (path, x), parts in zip(
+      plans, paths_leaves, parts_of(plans, params), strict=True
+    ):
+      shape = tuple(jnp.shape(x))
+      if p.layout is None or math.prod(shape) == 0:
+        continue
+      units = math.prod(shape)
+      if block is not None:
+        units = (
+          math.prod(shape[:-2]) * (shape[-2] // block[0]) * (shape[-1] // block[1])
+        )
+      leaves.append((jax.tree_util.keystr(path), shape, units, parts))
+    total = sum(units for _, _, units, _ in leaves)
+    s0 = 0.0 if start > 0 else first_target()
+    if start > 0:
+      why = (
+        f"periodic_mask(start={start}) passes an all-active mask until its first"
+        f" refresh at step {start}"
+      )
+    elif s0 is not None:
+      ramp = "" if schedule == "constant" else f" (its {schedule} ramp starts there)"
+      why = (
+        f"periodic_mask's first refresh, at step {start}, targets sparsity"
+        f" {s0:.4g}{ramp}"
+      )
+    unit = "entries" if block is None else f"{block[0]}x{block[1]} tiles"
+    bounds = {}
+    for name, shape, units, parts in leaves:
+      size = math.prod(shape)
+      if structure is not None:
+        n, m = structure
+        nm = {"structure": structure, "axis": axis % len(shape), "prunes": n < m}
+        if start > 0:
+          bounds[name] = _topk.MaskBound(shape, why, size, **nm)
+        else:
+          what = f"periodic_mask(structure={structure}) keeps {n} of every {m}"
+          what += f" entries along axis {axis}"
+          bounds[name] = _topk.MaskBound(shape, what, size * n // m, **nm)
+        continue
+      n_parts = math.prod(parts or (1,))
+      ranked = units // n_parts if ranking == "per_leaf" else total
+      tiled = {
+        "block": block,
+        "parts": parts,
+        "prunes": final is None or _topk.num_keep_host(final, ranked) < ranked,
+      }
+      shared = ranking == "global" and (
+        s0 is None or _topk.num_keep_host(s0, total) < total
+      )
+      if s0 is None or shared:
+        # The count this leaf keeps is traced, or a global top-k shares it out.
+        what = f"periodic_mask prunes {unit}"
+        bounds[name] = _topk.MaskBound(shape, what, None, **tiled)
+        continue
+      keep = _topk.num_keep_host(s0, ranked) if ranking == "per_leaf" else units
+      what = why
+      if start == 0:
+        what += f", which keeps {keep} of {units // n_parts} {unit}"
+        what += "" if parts is None else " in each shard part"
+      area = 1 if block is None else block[0] * block[1]
+      tiles = None if block is None else keep
+      bounds[name] = _topk.MaskBound(
+        shape, what, keep * area * n_parts, tiles=tiles, **tiled
+      )
+    return bounds
 
   def init_fn(params):
     plans, treedef = plan(params)
@@ -355,8 +435,12 @@ def periodic_mask(
       target_sparsity=jnp.zeros([], jnp.float32),
       sparsity=jnp.zeros([], jnp.float32),
       num_regrown=jnp.zeros([], jnp.int32),
-      inner_state=inner.init(params),
+      inner_state=init_inner(plans, params),
     )
+
+  def init_inner(plans, params):
+    with _topk.mask_bounds(bounds_of(plans, params)):
+      return inner.init(params)
 
   def new_masks(plans, params, grads, old, target, parts):
     # Zero-size leaves have nothing to rank: their (empty) masks stay as they are.

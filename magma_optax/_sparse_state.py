@@ -42,6 +42,13 @@ transform). Per scoped leaf, one of two storages is used:
   need no mesh context.
   Size ``density`` for the *densest* mask of the run: under a sparsity ramp the early
   masks are dense, so use skip storage until the ramp ends (or start sparse).
+  Inside :func:`periodic_mask`, whose ``init`` announces the densest mask it will
+  pass each leaf (all-active before ``start`` and where a ramp starts, the first
+  refresh's top-k count, its tiles, its N:M groups), a mask that certainly cannot
+  be stored -- too many entries or tiles, or not made of whole tiles -- is the
+  same ``ValueError`` raised by ``init``, before any step; what depends on the
+  values (a ``ranking="global"`` top-k, a traced target) is left to the step's
+  check.
   When the mask changes, moments of entries that stay active move to their new slot
   and newly active entries start from zero (so, under ``periodic_mask``, ``compact``
   equals ``skip`` numerically for element-wise bases such as Adam, RMSProp, SGD with
@@ -674,6 +681,13 @@ class _Storage:
     del mask, grad, record
     return None, bits, None, None
 
+  def bound_problem(self, bound: _topk.MaskBound) -> str | None:
+    """At ``init``: why the masks that ``bound`` describes (the densest one a
+    wrapper such as ``periodic_mask`` will pass) certainly fail this storage's
+    checks, or ``None`` (also where that depends on the values)."""
+    del bound
+    return None
+
   def remap(self, ctx, x, bits):
     del ctx, bits
     return x
@@ -785,6 +799,11 @@ class _Compact(_Storage):
       f" Raise `density` to at least {active / self.size:.4g} (the densest mask"
       " of the run: under a sparsity ramp, the early masks), or use mode='skip'."
     )
+
+  def bound_problem(self, bound):
+    if bound.entries is not None and bound.entries > self.capacity:
+      return self._overflow(bound.entries)
+    return None
 
   def prepare(self, mask, bits, grad, record=False):
     _reject_explicit(grad, mask, "unstructured compact storage", "entries")
@@ -902,6 +921,36 @@ class _Tiles(_Storage):
       f" entry of their tile. Build it with periodic_mask(..., block=({r}, {c})),"
       " give sparse_state the same block, or use mode='skip'."
     )
+
+  def bound_problem(self, bound, unit=None, parts=None):
+    """``parts``: the counts this storage's leaf is split into, where it is a part
+    (:class:`_ShardedTiles`); the bound's tiles then count per part if its parts
+    are the same, and are not known otherwise."""
+    if bound.all_active:
+      n = self.num_tiles
+      return self._overflow(n, unit) if n > self.capacity else None
+    r, c = self.block
+    if bound.block is None or bound.block[0] % r or bound.block[1] % c:
+      if not bound.prunes:
+        return None
+      made_of = (
+        "entries" if bound.block is None else f"{bound.block[0]}x{bound.block[1]} tiles"
+      )
+      return (
+        f"sparse_state: the parameter masks of {unit or self.unit} will be made"
+        f" of {made_of}, not of the whole {r}x{c} tiles (block={self.block}) that"
+        f" its compact tile storage keeps. Give periodic_mask block=({r}, {c}) (or"
+        " tiles that are whole numbers of them) and the same shards, or use"
+        " mode='skip'."
+      )
+    if bound.tiles is None or (parts is not None and bound.parts != parts):
+      return None
+    # Tiles of r x c per tile of the bound, times the bound's parts per this one.
+    per = (bound.block[0] // r) * (bound.block[1] // c)
+    if parts is None:
+      per *= math.prod(bound.parts or (1,))
+    n = bound.tiles * per
+    return self._overflow(n, unit) if n > self.capacity else None
 
   def prepare(self, mask, bits, grad, record=False):
     _reject_explicit(grad, mask, "compact tile storage", "tiles")
@@ -1067,6 +1116,11 @@ class _ShardedTiles(_Storage):
     unit = f"part {tuple(where)} of the {sizes} shard parts of leaf {self.name}"
     return self.part._problem(differ, active, unit)
 
+  def bound_problem(self, bound):
+    sizes = "x".join(map(str, self.parts))
+    unit = f"each of the {sizes} shard parts of leaf {self.name}"
+    return self.part.bound_problem(bound, unit, self.parts)
+
   def remap(self, ctx, x, bits):
     # Sharded like the state it rewrites (the loop's carry keeps its type).
     return self.per_part(self.part.remap, x, ctx, bits, order=(1, 0, 2))
@@ -1142,6 +1196,15 @@ class _Grouped(_Storage):
       " `axis` (give periodic_mask the same structure and axis, or use"
       " mode='skip')."
     )
+
+  def bound_problem(self, bound):
+    g = self.groups
+    if bound.all_active and g.n < g.m:
+      return self._overflow(g.m)
+    nm = bound.structure
+    if nm is not None and (nm[1], bound.axis) == (g.m, g.axis) and nm[0] > g.n:
+      return self._overflow(nm[0])
+    return None
 
   def prepare(self, mask, bits, grad, record=False):
     del grad
@@ -1660,6 +1723,13 @@ def _transformation(
   def init_fn(params):
     storages, treedef = storages_of(params)
     flat = treedef.flatten_up_to(params)
+    # Masks that a wrapper's init announced (periodic_mask's densest ones): one
+    # that certainly cannot be stored fails here, before any step.
+    for s in storages:
+      bound = _topk.mask_bound(s.name, s.shape)
+      problem = None if bound is None else s.bound_problem(bound)
+      if problem is not None:
+        raise ValueError(f"{problem} Found at init, before any step: {bound.why}.")
     stored = [s.init_leaf(x) for s, x in zip(storages, flat, strict=True)]
     for s, x in zip(storages, flat, strict=True):
       if isinstance(s, _ShardedTiles):  # the parts are the parameter's shards

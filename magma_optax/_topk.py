@@ -31,9 +31,12 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -350,6 +353,12 @@ def num_keep(sparsity: jax.Array, n: int) -> jax.Array:
   return jnp.int32(n) - jnp.clip(pruned, 0, n)
 
 
+def num_keep_host(sparsity: float, n: int) -> int:
+  """:func:`num_keep` on the host (the same float32 rounding), for checks at init."""
+  pruned = int(np.round(np.float32(sparsity) * np.float32(n)))
+  return n - min(max(pruned, 0), n)
+
+
 def n_m_mask(
   score: jax.Array, active: jax.Array, n: int, m: int, axis: int
 ) -> jax.Array:
@@ -555,3 +564,65 @@ def check_parts_on_devices(x: Any, parts: tuple[int, ...], who: str, name: str):
       " the spec names, each a multiple of its number of pieces (shards="
       "magma.sharding.tile_shards(params) gives them)."
     )
+
+
+class MaskBound(NamedTuple):
+  """The densest parameter mask a wrapper will hand one leaf, as far as its ``init``
+  knows: what :func:`magma_optax.sparse_state`'s ``init`` checks its compact
+  storage against, so that a mask that certainly cannot fit is a ``ValueError``
+  at ``init`` instead of a failed step.
+
+  Attributes:
+    shape: the leaf's shape (a bound for another leaf of the same path is ignored).
+    why: how that mask arises, for the message.
+    entries: its number of active entries; ``None`` where ``init`` cannot know it.
+    block: ``(r, c)`` where the masks are made of whole ``r x c`` tiles of the last
+      two axes (every mask, not only the densest); ``None`` otherwise.
+    tiles: with ``block``, the active tiles of the densest mask (per part with
+      ``parts``); ``None`` where unknown.
+    parts: with ``block``, the counts of the parts that each hold ``tiles``.
+    structure: ``(n, m)`` where every mask keeps ``n`` of each ``m`` along ``axis``.
+    axis: the N:M axis, non-negative.
+    prunes: whether later masks may prune entries (``False``: every mask is
+      all-active, whatever ``block``).
+  """
+
+  shape: tuple[int, ...]
+  why: str
+  entries: int | None
+  block: tuple[int, int] | None = None
+  tiles: int | None = None
+  parts: tuple[int, ...] | None = None
+  structure: tuple[int, int] | None = None
+  axis: int = 0
+  prunes: bool = True
+
+  @property
+  def all_active(self) -> bool:
+    return self.entries == math.prod(self.shape)
+
+
+# The bounds of the masks that a wrapper's init is about to hand its inner transform,
+# by leaf key path (jax.tree_util.keystr). optax's init takes the params only, so the
+# wrapper sets them around its inner init (:func:`mask_bounds`); nothing else reads
+# or writes them, and they are gone when that init returns.
+_MASK_BOUNDS: contextvars.ContextVar[dict[str, MaskBound] | None] = (
+  contextvars.ContextVar("magma_optax_mask_bounds", default=None)
+)
+
+
+@contextlib.contextmanager
+def mask_bounds(bounds: dict[str, MaskBound]):
+  """Makes ``bounds`` (by key path) what :func:`mask_bound` returns inside."""
+  token = _MASK_BOUNDS.set(bounds)
+  try:
+    yield
+  finally:
+    _MASK_BOUNDS.reset(token)
+
+
+def mask_bound(name: str, shape: tuple[int, ...]) -> MaskBound | None:
+  """The bound set by an enclosing :func:`mask_bounds` for the leaf at key path
+  ``name`` of ``shape``, or ``None``."""
+  bound = (_MASK_BOUNDS.get() or {}).get(name)
+  return bound if bound is not None and bound.shape == tuple(shape) else None

@@ -187,30 +187,34 @@ def test_record_mode_compiles_no_host_callback():
 
 
 def test_check_sparse_state_finds_records_inside_wrappers_and_batches():
-  params = {"w": jnp.ones((4, 8)), "b": jnp.ones(8)}
+  params = {"w": jnp.ones((4, 8)), "v": jnp.full((4, 8), 0.1), "b": jnp.ones(8)}
   matrices = lambda path, x: x.ndim == 2  # noqa: E731
   inner = magma.sparse_adam(
     LR, mode="compact", density=0.25, block=(2, 4), on_error="record",
     where=matrices,
   )  # fmt: skip
-  # periodic_mask keeps half of the 4 tiles: 2 > the capacity of 1 (a density too
-  # low for the sparsity), at its first refresh.
+  # A global top-k keeps half of the 8 tiles, all of them in "w" (the larger
+  # |W| |g|): 4 > its capacity of 1, at the first refresh. (A count that init
+  # can know to overflow is an error there: test_periodic_mask_bounds.)
   tx = optax.MultiSteps(
     magma.periodic_mask(
-      inner, sparsity=0.5, block=(2, 4), start=0, every=10, where=matrices
+      inner, sparsity=0.5, block=(2, 4), start=0, every=10, where=matrices,
+      ranking="global",
     ),
     every_k_schedule=1,
-  )
+  )  # fmt: skip
   state = tx.init(params)
   magma.check_sparse_state(state)
   u, state = jax.jit(tx.update)(params, state, params)
   kept = np.asarray(state.inner_opt_state.mask["w"])
-  assert kept.sum() == 16  # 2 tiles
+  assert kept.sum() == 32  # 4 tiles
+  assert not np.asarray(state.inner_opt_state.mask["v"]).any()
   # The kept tiles get no update (nothing stored yet); periodic_mask zeroes the
   # pruned ones (-p); the dense leaf takes its step.
-  np.testing.assert_array_equal(np.asarray(u["w"]), np.where(kept, 0.0, -1.0))
+  np.testing.assert_array_equal(np.asarray(u["w"]), np.zeros((4, 8)))
+  np.testing.assert_allclose(np.asarray(u["v"]), np.full((4, 8), -0.1))
   assert np.all(np.asarray(u["b"]) != 0)
-  with pytest.raises(ValueError, match=r"leaf \['w'\] \(4 tiles of 2x4\) has 2"):
+  with pytest.raises(ValueError, match=r"leaf \['w'\] \(4 tiles of 2x4\) has 4"):
     magma.check_sparse_state(state)
 
   # A vmapped batch of states: one element fails.

@@ -1,0 +1,222 @@
+"""Tests for the init-time check of periodic_mask's masks against compact storage.
+
+``periodic_mask``'s init tells the transform inside it the densest mask each leaf
+will get (``_topk.MaskBound``: all-active before ``start`` and at the start of a
+ramp, the top-k count of the first refresh, the tiles, the N:M groups), and
+``sparse_state``'s init raises, before any step, the ``ValueError`` that a step
+would where that mask certainly cannot be stored. The reference is the first step
+of the same composition with the init check switched off: it must fail exactly
+where init raises, with the same message where the count is the one init knew.
+"""
+
+import re
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import magma_optax as magma
+from magma_optax import _topk
+
+LR = 0.05
+_keys = jax.random.split(jax.random.key(0), 6)
+PARAMS = {
+  "b": jax.random.normal(_keys[0], (256,)),
+  "v": jax.random.normal(_keys[1], (16, 256)),
+  "w": jax.random.normal(_keys[2], (16, 512)),
+}
+GRADS = {
+  k: jax.random.normal(_keys[3 + i], x.shape) for i, (k, x) in enumerate(PARAMS.items())
+}
+
+
+def matrices(path, x):
+  del path
+  return x.ndim == 2
+
+
+def tiles(**kw):
+  kw = {"density": 0.3, "block": (8, 128), **kw}
+  return magma.sparse_adam(LR, mode="compact", where=matrices, **kw)
+
+
+def flat(**kw):
+  return magma.sparse_state(optax.adam(LR), mode="compact", **kw)
+
+
+def multi_steps(inner):
+  # MultiSteps.gradient_transformation() is a plain GradientTransformation, which
+  # drops extra arguments (param_mask): its init and update take and pass them.
+  ms = optax.MultiSteps(inner, every_k_schedule=2)
+  return optax.GradientTransformationExtraArgs(ms.init, ms.update)
+
+
+TILED = {"block": (8, 128), "where": matrices}
+# name: (inner, periodic_mask arguments, the init error (a regex) or None, whether
+# the first step's message is the same). Tiles of 8x128: "w" has 8 (capacity 3 at
+# density 0.3), "v" 4 (capacity 2); with shards=(2, 2) 2 and 1 per part (capacity 1).
+CASES = {
+  "tiles fit": (tiles(), {"sparsity": 0.7, **TILED}, None, True),
+  "tiles overflow": (
+    tiles(),
+    {"sparsity": 0.5, **TILED},
+    r"leaf \['w'\] \(8 tiles of 8x128\) has 4 active tiles.*first refresh, at step"
+    r" 0, targets sparsity 0.5, which keeps 4 of 8 8x128 tiles\.",
+    True,
+  ),
+  "ramp": (
+    tiles(),
+    {"sparsity": 0.7, "schedule": "cubic", "end": 6, **TILED},
+    r"\['v'\] \(4 tiles of 8x128\) has 4 active.*its cubic ramp starts there",
+    True,
+  ),
+  "start": (
+    tiles(),
+    {"sparsity": 0.7, "start": 1, **TILED},
+    r"has 4 active tiles.*periodic_mask\(start=1\) passes an all-active mask",
+    True,
+  ),
+  "entries into tiles": (
+    tiles(),
+    {"sparsity": 0.7, "where": matrices},
+    r"\['v'\] will be made of entries, not of the whole 8x128 tiles",
+    False,
+  ),
+  "1x128 tiles into 8x128": (
+    tiles(),
+    {"sparsity": 0.7, "block": (1, 128), "where": matrices},
+    r"made of 1x128 tiles, not of the whole 8x128 tiles",
+    False,
+  ),
+  "8x128 tiles into 1x128": (
+    tiles(block=(1, 128)),
+    {"sparsity": 0.7, **TILED},
+    None,
+    True,
+  ),
+  "entries overflow": (
+    flat(density=0.2),
+    {"sparsity": 0.7},
+    r"leaf \['b'\] \(size 256\) has 77 active entries.*keeps 77 of 256 entries\.",
+    True,
+  ),
+  "entries fit": (flat(density=0.3), {"sparsity": 0.7}, None, True),
+  "n:m overflow": (
+    flat(structure=(1, 4)),
+    {"structure": (2, 4)},
+    r"a group of 4 entries has 2 active but structure=\(1, 4\) stores 1",
+    True,
+  ),
+  "n:m fit": (flat(structure=(2, 4)), {"structure": (2, 4)}, None, True),
+  "n:m start": (
+    flat(structure=(2, 4)),
+    {"structure": (2, 4), "start": 2},
+    r"a group of 4 entries has 4 active",
+    True,
+  ),
+  "parts fit": (
+    tiles(shards=(2, 2)),
+    {"sparsity": 0.5, "shards": (2, 2), **TILED},
+    None,
+    True,
+  ),
+  "parts overflow": (
+    tiles(shards=(2, 2)),
+    {"sparsity": 0.2, "shards": (2, 2), **TILED},
+    r"each of the 2x2 shard parts of leaf \['w'\] \(2 tiles of 8x128\) has 2 active",
+    False,  # the step names the part
+  ),
+  "wrapped inner": (
+    multi_steps(
+      optax.chain(
+        optax.clip(1.0),
+        optax.masked(
+          flat(density=0.2), lambda p: jax.tree.map(lambda x: x.ndim == 2, p)
+        ),
+      )
+    ),
+    {"sparsity": 0.7},
+    r"leaf \['v'\] \(size 4096\) has 1229 active entries",
+    True,
+  ),
+}
+
+
+def first_step_error(inner, kwargs):
+  """The message of the ValueError that the first step raises with the init check
+  switched off, or None. (Eager, but MultiSteps traces its step in a cond: the
+  error comes through the runtime there, as under jit -- what init spares.)"""
+  tx = magma.periodic_mask(inner, every=3, **kwargs)
+  with mock.patch.object(_topk, "mask_bound", lambda name, shape: None):
+    state = tx.init(PARAMS)
+  try:
+    tx.update(GRADS, state, PARAMS)
+  except ValueError as e:
+    return str(e)
+  except jax.errors.JaxRuntimeError as e:  # raised inside a traced step (a cond)
+    return re.search(r"ValueError: (.*)", str(e)).group(1)
+  return None
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_init_raises_where_the_first_step_fails(name):
+  inner, kwargs, expected, same = CASES[name]
+  tx = magma.periodic_mask(inner, every=3, **kwargs)
+  if expected is None:
+    tx.init(PARAMS)
+    if name == "8x128 tiles into 1x128":  # (the other steps run in other modules)
+      assert first_step_error(inner, kwargs) is None
+    return
+  step_error = first_step_error(inner, kwargs)
+  with pytest.raises(ValueError, match=expected) as raised:
+    tx.init(PARAMS)
+  assert step_error is not None
+  problem, found = str(raised.value).split(" Found at init, before any step: ")
+  if same:
+    assert problem == step_error
+  with pytest.raises(ValueError, match=expected):  # also where init is traced
+    jax.jit(tx.init)(PARAMS)
+
+
+def test_what_init_cannot_know_is_left_to_the_step():
+  # A global top-k shares the kept count out by value: no error at init, whatever
+  # the step finds (here a mask that does not fit: the step's check raises it).
+  inner = flat(density=0.3)
+  params = {"a": jnp.full((64,), 10.0), "b": jnp.full((64,), 0.1)}
+  tx = magma.periodic_mask(inner, sparsity=0.5, every=3, ranking="global")
+  state = tx.init(params)
+  with pytest.raises(ValueError, match=r"leaf \['a'\] \(size 64\) has 64 active"):
+    tx.update(params, state, params)
+  # A traced target (inject_hyperparams under jit): nothing known, nothing raised.
+  injected = optax.inject_hyperparams(
+    magma.periodic_mask, static_args=("every", "start", "end", "axis")
+  )(flat(density=0.2), sparsity=0.7, every=3)
+  jax.jit(injected.init)(PARAMS)
+  with pytest.raises(ValueError, match="has 77 active"):  # a concrete one: known
+    injected.init(PARAMS)
+  # A target of 0 throughout prunes nothing: element masks are whole tiles then.
+  tx = magma.periodic_mask(
+    tiles(density=0.5, density_threshold=1.0), sparsity=0.0, every=3, where=matrices
+  )
+  with pytest.raises(
+    ValueError, match=r"\[.v.\] \(4 tiles of 8x128\) has 4 active tiles"
+  ):  # but do not fit
+    tx.init(PARAMS)
+  tx = magma.periodic_mask(
+    tiles(density=1.0, density_threshold=1.0), sparsity=0.0, every=3, where=matrices
+  )
+  tx.init(PARAMS)
+  assert first_step_error(tiles(density=1.0, density_threshold=1.0), {
+    "sparsity": 0.0, "where": matrices}) is None  # fmt: skip
+
+
+def test_a_bound_is_for_its_path_and_shape():
+  bound = _topk.MaskBound((2, 2), "test", 4)
+  assert bound.all_active
+  with _topk.mask_bounds({"['w']": bound}):
+    assert _topk.mask_bound("['w']", (2, 2)) is bound
+    assert _topk.mask_bound("['w']", (4,)) is None  # e.g. optax.flatten's vector
+    assert _topk.mask_bound("['v']", (2, 2)) is None
+  assert _topk.mask_bound("['w']", (2, 2)) is None  # gone after the init
