@@ -378,12 +378,13 @@ def periodic_mask(
         f" {s0:.4g}{ramp}"
       )
     unit = "entries" if block is None else f"{block[0]}x{block[1]} tiles"
+    area = 1 if block is None else block[0] * block[1]
     bounds = {}
     for name, shape, units, parts in leaves:
       size = math.prod(shape)
       if structure is not None:
         n, m = structure
-        nm = {"structure": structure, "axis": axis % len(shape), "prunes": n < m}
+        nm = {"structure": structure, "axis": axis % len(shape)}
         if start > 0:
           bounds[name] = _topk.MaskBound(shape, why, size, **nm)
         else:
@@ -391,30 +392,31 @@ def periodic_mask(
           what += f" entries along axis {axis}"
           bounds[name] = _topk.MaskBound(shape, what, size * n // m, **nm)
         continue
-      n_parts = math.prod(parts or (1,))
-      ranked = units // n_parts if ranking == "per_leaf" else total
-      tiled = {
-        "block": block,
-        "parts": parts,
-        "prunes": final is None or _topk.num_keep_host(final, ranked) < ranked,
-      }
-      shared = ranking == "global" and (
-        s0 is None or _topk.num_keep_host(s0, total) < total
-      )
-      if s0 is None or shared:
-        # The count this leaf keeps is traced, or a global top-k shares it out.
-        what = f"periodic_mask prunes {unit}"
-        bounds[name] = _topk.MaskBound(shape, what, None, **tiled)
+      tiled = {"block": block, "parts": parts}
+      if s0 is None:  # traced: the counts are known in the step only
+        bounds[name] = _topk.MaskBound(shape, "", None, **tiled)
         continue
-      keep = _topk.num_keep_host(s0, ranked) if ranking == "per_leaf" else units
-      what = why
-      if start == 0:
-        what += f", which keeps {keep} of {units // n_parts} {unit}"
-        what += "" if parts is None else " in each shard part"
-      area = 1 if block is None else block[0] * block[1]
+      n_parts = math.prod(parts or (1,))
+      if ranking == "per_leaf":
+        keep, exact = _topk.num_keep_host(s0, units // n_parts), True
+        what = why
+        if start == 0:
+          what += f", which keeps {keep} of {units // n_parts} {unit}"
+          what += "" if parts is None else " in each shard part"
+      else:
+        # One top-k over all leaves: this leaf keeps at least what the others
+        # cannot hold (exactly everything where nothing is pruned).
+        kept = _topk.num_keep_host(s0, total)
+        keep, exact = max(0, kept - (total - units)), kept == total
+        what = why
+        if not exact:
+          what += (
+            f", which keeps {kept} of all {total} {unit} together: at least"
+            f" {keep} of this leaf's {units}"
+          )
       tiles = None if block is None else keep
       bounds[name] = _topk.MaskBound(
-        shape, what, keep * area * n_parts, tiles=tiles, **tiled
+        shape, what, keep * area * n_parts, exact, tiles=tiles, **tiled
       )
     return bounds
 

@@ -929,17 +929,21 @@ class _Tiles(_Storage):
     if bound.all_active:
       n = self.num_tiles
       return self._overflow(n, unit) if n > self.capacity else None
+    if bound.entries is None:
+      return None
     r, c = self.block
     if bound.block is None or bound.block[0] % r or bound.block[1] % c:
-      if not bound.prunes:
+      # Whole r x c tiles hold a multiple of r * c entries: other counts cannot be.
+      if not bound.exact or bound.entries % (r * c) == 0:
         return None
       made_of = (
         "entries" if bound.block is None else f"{bound.block[0]}x{bound.block[1]} tiles"
       )
       return (
         f"sparse_state: the parameter masks of {unit or self.unit} will be made"
-        f" of {made_of}, not of the whole {r}x{c} tiles (block={self.block}) that"
-        f" its compact tile storage keeps. Give periodic_mask block=({r}, {c}) (or"
+        f" of {made_of} ({bound.entries} active entries, not a multiple of"
+        f" {r * c}), not of the whole {r}x{c} tiles (block={self.block}) that its"
+        f" compact tile storage keeps. Give periodic_mask block=({r}, {c}) (or"
         " tiles that are whole numbers of them) and the same shards, or use"
         " mode='skip'."
       )
@@ -1202,8 +1206,14 @@ class _Grouped(_Storage):
     if bound.all_active and g.n < g.m:
       return self._overflow(g.m)
     nm = bound.structure
-    if nm is not None and (nm[1], bound.axis) == (g.m, g.axis) and nm[0] > g.n:
-      return self._overflow(nm[0])
+    if nm is not None and bound.axis == g.axis and g.m % nm[1] == 0:
+      per_group = nm[0] * (g.m // nm[1])  # exactly, in every group of m
+      if per_group > g.n:
+        return self._overflow(per_group)
+    groups = self.size // g.m
+    if bound.entries is not None and bound.entries > groups * g.n:
+      # More than all the slots: the fullest group has at least the mean.
+      return self._overflow(-(-bound.entries // groups))
     return None
 
   def prepare(self, mask, bits, grad, record=False):

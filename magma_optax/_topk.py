@@ -569,37 +569,37 @@ def check_parts_on_devices(x: Any, parts: tuple[int, ...], who: str, name: str):
 class MaskBound(NamedTuple):
   """The densest parameter mask a wrapper will hand one leaf, as far as its ``init``
   knows: what :func:`magma_optax.sparse_state`'s ``init`` checks its compact
-  storage against, so that a mask that certainly cannot fit is a ``ValueError``
-  at ``init`` instead of a failed step.
+  storage against, so that a mask that certainly cannot be stored is a
+  ``ValueError`` at ``init`` instead of a failed step.
 
   Attributes:
     shape: the leaf's shape (a bound for another leaf of the same path is ignored).
     why: how that mask arises, for the message.
-    entries: its number of active entries; ``None`` where ``init`` cannot know it.
+    entries: its number of active entries (``exact``), or a number it certainly
+      reaches (a global top-k's share); ``None`` where ``init`` cannot know it.
+    exact: whether ``entries`` and ``tiles`` are exact counts.
     block: ``(r, c)`` where the masks are made of whole ``r x c`` tiles of the last
       two axes (every mask, not only the densest); ``None`` otherwise.
-    tiles: with ``block``, the active tiles of the densest mask (per part with
-      ``parts``); ``None`` where unknown.
+    tiles: with ``block``, its active tiles (per part with ``parts``), counted as
+      ``entries`` is; ``None`` where unknown.
     parts: with ``block``, the counts of the parts that each hold ``tiles``.
     structure: ``(n, m)`` where every mask keeps ``n`` of each ``m`` along ``axis``.
     axis: the N:M axis, non-negative.
-    prunes: whether later masks may prune entries (``False``: every mask is
-      all-active, whatever ``block``).
   """
 
   shape: tuple[int, ...]
   why: str
   entries: int | None
+  exact: bool = True
   block: tuple[int, int] | None = None
   tiles: int | None = None
   parts: tuple[int, ...] | None = None
   structure: tuple[int, int] | None = None
   axis: int = 0
-  prunes: bool = True
 
   @property
   def all_active(self) -> bool:
-    return self.entries == math.prod(self.shape)
+    return self.exact and self.entries == math.prod(self.shape)
 
 
 # The bounds of the masks that a wrapper's init is about to hand its inner transform,

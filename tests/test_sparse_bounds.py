@@ -38,8 +38,8 @@ def matrices(path, x):
 
 
 def tiles(**kw):
-  kw = {"density": 0.3, "block": (8, 128), **kw}
-  return magma.sparse_adam(LR, mode="compact", where=matrices, **kw)
+  kw = {"density": 0.3, "block": (8, 128), "where": matrices, **kw}
+  return magma.sparse_adam(LR, mode="compact", **kw)
 
 
 def flat(**kw):
@@ -81,13 +81,14 @@ CASES = {
   "entries into tiles": (
     tiles(),
     {"sparsity": 0.7, "where": matrices},
-    r"\['v'\] will be made of entries, not of the whole 8x128 tiles",
+    r"\['v'\] will be made of entries \(1229 active entries, not a multiple of"
+    r" 1024\), not of the whole 8x128 tiles",
     False,
   ),
   "1x128 tiles into 8x128": (
     tiles(),
     {"sparsity": 0.7, "block": (1, 128), "where": matrices},
-    r"made of 1x128 tiles, not of the whole 8x128 tiles",
+    r"made of 1x128 tiles \(1280 active entries, not a multiple of 1024\)",
     False,
   ),
   "8x128 tiles into 1x128": (
@@ -103,6 +104,13 @@ CASES = {
     True,
   ),
   "entries fit": (flat(density=0.3), {"sparsity": 0.7}, None, True),
+  "global share overflow": (
+    flat(density=0.3),
+    {"sparsity": 0.05, "ranking": "global"},
+    r"leaf \['v'\] \(size 4096\) has 3469 active entries.*keeps 11917 of all 12544"
+    r" entries together: at least 3469 of this leaf's 4096",
+    False,  # the step counts what the top-k gave it, >= 3469
+  ),
   "n:m overflow": (
     flat(structure=(1, 4)),
     {"structure": (2, 4)},
@@ -110,6 +118,18 @@ CASES = {
     True,
   ),
   "n:m fit": (flat(structure=(2, 4)), {"structure": (2, 4)}, None, True),
+  "2:4 into 2:8": (
+    flat(structure=(2, 8)),
+    {"structure": (2, 4)},
+    r"a group of 8 entries has 4 active but structure=\(2, 8\) stores 2",
+    True,
+  ),
+  "entries into n:m": (
+    flat(structure=(2, 4)),
+    {"sparsity": 0.25},
+    r"has 3 active but structure=\(2, 4\) stores 2 \(leaf \['b'\]",
+    False,  # init names the mean of a group, the step its fullest
+  ),
   "n:m start": (
     flat(structure=(2, 4)),
     {"structure": (2, 4), "start": 2},
@@ -173,43 +193,52 @@ def test_init_raises_where_the_first_step_fails(name):
   with pytest.raises(ValueError, match=expected) as raised:
     tx.init(PARAMS)
   assert step_error is not None
-  problem, found = str(raised.value).split(" Found at init, before any step: ")
+  problem, _ = str(raised.value).split(" Found at init, before any step: ")
   if same:
     assert problem == step_error
-  with pytest.raises(ValueError, match=expected):  # also where init is traced
-    jax.jit(tx.init)(PARAMS)
+  if name in ("ramp", "parts overflow", "n:m overflow"):  # also where init is traced
+    with pytest.raises(ValueError, match=expected):
+      jax.jit(tx.init)(PARAMS)
 
 
 def test_what_init_cannot_know_is_left_to_the_step():
-  # A global top-k shares the kept count out by value: no error at init, whatever
-  # the step finds (here a mask that does not fit: the step's check raises it).
-  inner = flat(density=0.3)
+  # A global top-k shares the kept count out by value: where no leaf is certain to
+  # overflow, nothing at init, whatever the step finds (here all of it in "a").
   params = {"a": jnp.full((64,), 10.0), "b": jnp.full((64,), 0.1)}
-  tx = magma.periodic_mask(inner, sparsity=0.5, every=3, ranking="global")
+  tx = magma.periodic_mask(flat(density=0.3), sparsity=0.5, every=3, ranking="global")
   state = tx.init(params)
   with pytest.raises(ValueError, match=r"leaf \['a'\] \(size 64\) has 64 active"):
     tx.update(params, state, params)
+  # An entry mask with a multiple of r * c entries may be whole r x c tiles: here it
+  # is (the two large tiles win), and the run works.
+  w = jnp.full((4, 4), 0.01).at[:2, :2].set(5.0).at[2:, 2:].set(4.0)
+  inner = tiles(block=(2, 2), density=0.5, density_threshold=1.0, where=None)
+  tx = magma.periodic_mask(inner, sparsity=0.5, every=3)
+  state = tx.init({"w": w})
+  u, _ = tx.update({"w": jnp.ones((4, 4))}, state, {"w": w})
+  assert int((u["w"] == -w).sum()) == 8  # two tiles pruned, two stepped
   # A traced target (inject_hyperparams under jit): nothing known, nothing raised.
-  injected = optax.inject_hyperparams(
-    magma.periodic_mask, static_args=("every", "start", "end", "axis")
-  )(flat(density=0.2), sparsity=0.7, every=3)
+  inject = optax.inject_hyperparams(
+    magma.periodic_mask, static_args=("every", "start", "end", "axis", "where")
+  )
+  injected = inject(flat(density=0.2), sparsity=0.7, every=3)
   jax.jit(injected.init)(PARAMS)
   with pytest.raises(ValueError, match="has 77 active"):  # a concrete one: known
     injected.init(PARAMS)
-  # A target of 0 throughout prunes nothing: element masks are whole tiles then.
-  tx = magma.periodic_mask(
-    tiles(density=0.5, density_threshold=1.0), sparsity=0.0, every=3, where=matrices
-  )
-  with pytest.raises(
-    ValueError, match=r"\[.v.\] \(4 tiles of 8x128\) has 4 active tiles"
-  ):  # but do not fit
-    tx.init(PARAMS)
-  tx = magma.periodic_mask(
-    tiles(density=1.0, density_threshold=1.0), sparsity=0.0, every=3, where=matrices
-  )
-  tx.init(PARAMS)
-  assert first_step_error(tiles(density=1.0, density_threshold=1.0), {
-    "sparsity": 0.0, "where": matrices}) is None  # fmt: skip
+  # A target of 0 prunes nothing: entry masks are whole tiles then, known or not.
+  for density, expected in (
+    (0.5, r"\['v'\] \(4 tiles of 8x128\) has 4 active"),
+    (1.0, None),
+  ):
+    inner = tiles(density=density, density_threshold=1.0)
+    jax.jit(inject(inner, sparsity=0.0, every=3, where=matrices).init)(PARAMS)
+    tx = magma.periodic_mask(inner, sparsity=0.0, every=3, where=matrices)
+    if expected is None:
+      tx.init(PARAMS)
+    else:
+      with pytest.raises(ValueError, match=expected):
+        tx.init(PARAMS)
+  assert first_step_error(inner, {"sparsity": 0.0, "where": matrices}) is None
 
 
 def test_a_bound_is_for_its_path_and_shape():
