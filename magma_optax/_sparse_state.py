@@ -45,10 +45,12 @@ transform). Per scoped leaf, one of two storages is used:
   Inside :func:`periodic_mask`, whose ``init`` announces the densest mask it will
   pass each leaf (all-active before ``start`` and where a ramp starts, the first
   refresh's top-k count, its tiles, its N:M groups), a mask that certainly cannot
-  be stored -- too many entries or tiles, or not made of whole tiles -- is the
-  same ``ValueError`` raised by ``init``, before any step; what depends on the
-  values (a ``ranking="global"`` top-k, a traced target) is left to the step's
-  check.
+  be stored -- too many entries or tiles, or a count of entries that whole tiles
+  cannot make -- is the same ``ValueError`` raised by ``init``, before any step
+  (with ``on_error="record"`` too: such a run could not step). What depends on the
+  values is left to the step's check: how a ``ranking="global"`` top-k shares its
+  count out beyond what each leaf must take, a traced target, whether an entry
+  mask happens to be whole tiles, balance over shard parts the mask does not have.
   When the mask changes, moments of entries that stay active move to their new slot
   and newly active entries start from zero (so, under ``periodic_mask``, ``compact``
   equals ``skip`` numerically for element-wise bases such as Adam, RMSProp, SGD with
