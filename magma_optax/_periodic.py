@@ -203,9 +203,11 @@ def periodic_mask(
     An ``optax.GradientTransformationExtraArgs`` with a :class:`PeriodicMaskState`;
     ``params`` must be passed to ``update``. Its ``init`` tells ``inner`` the
     densest mask each leaf will get (all-active before ``start`` and where a ramp
-    starts; else the first refresh's count, per leaf or shard part; its tiles and
-    N:M groups): compact storage of :func:`sparse_state` inside raises a
-    ``ValueError`` there, before any step, where that mask cannot fit.
+    starts; else the first refresh's count, per leaf or shard part, or with
+    ``ranking="global"`` the least share the leaf must take; its tiles and N:M
+    groups): compact storage of :func:`sparse_state` inside raises a
+    ``ValueError`` there, before any step, where that mask certainly cannot fit
+    (the mask is assumed to reach it unchanged, as through optax's wrappers).
 
   Example:
     >>> import jax.numpy as jnp, optax
