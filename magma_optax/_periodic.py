@@ -353,11 +353,16 @@ def periodic_mask(
     inner transform (:class:`magma_optax._topk.MaskBound`): :func:`sparse_state`'s
     init checks its compact storage against it."""
     paths_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    bounds_unmasked = {}
     leaves = []  # (key path, shape, units a top-k ranks, their parts)
     for p, (path, x), parts in zip(
       plans, paths_leaves, parts_of(plans, params), strict=True
     ):
       shape = tuple(jnp.shape(x))
+      if p.layout is None and hasattr(x, "shape"):  # it gets no mask
+        what = "periodic_mask passes it no mask (its `where` does not prune it)"
+        key = jax.tree_util.keystr(path)
+        bounds_unmasked[key] = _topk.MaskBound(shape, what, None, masked=False)
       if p.layout is None or math.prod(shape) == 0:
         continue
       units = math.prod(shape)
@@ -381,7 +386,7 @@ def periodic_mask(
       )
     unit = "entries" if block is None else f"{block[0]}x{block[1]} tiles"
     area = 1 if block is None else block[0] * block[1]
-    bounds = {}
+    bounds = bounds_unmasked
     for name, shape, units, parts in leaves:
       size = math.prod(shape)
       if structure is not None:

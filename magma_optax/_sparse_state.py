@@ -1718,6 +1718,14 @@ def _base_step(base):
   return step
 
 
+def _no_mask(i: int, storage: _Storage) -> str:
+  return (
+    f"leaf {i} ({storage.name}) uses compact storage but param_mask has no mask"
+    " for it; pass param_mask= (periodic_mask does) or scope the leaf out with"
+    " `where`."
+  )
+
+
 def _transformation(
   base, storages_of, offload_after, step, frozen=False, on_error="raise"
 ):
@@ -1737,9 +1745,14 @@ def _transformation(
     flat = treedef.flatten_up_to(params)
     # Masks that a wrapper's init announced (periodic_mask's densest ones): one
     # that certainly cannot be stored fails here, before any step.
-    for s in storages:
+    for i, s in enumerate(storages):
       bound = _topk.mask_bound(s.name, s.shape)
-      problem = None if bound is None else s.bound_problem(bound)
+      if bound is None:
+        continue
+      if bound.masked:
+        problem = s.bound_problem(bound)
+      else:
+        problem = _no_mask(i, s) if s.needs_mask else None
       if problem is not None:
         raise ValueError(f"{problem} Found at init, before any step: {bound.why}.")
     stored = [s.init_leaf(x) for s, x in zip(storages, flat, strict=True)]
@@ -1787,11 +1800,7 @@ def _transformation(
     for i, (s, m, x) in enumerate(zip(storages, masks, flat, strict=True)):
       if m is None or _trees.is_masked(m) or not s.scoped:
         if s.needs_mask:
-          raise ValueError(
-            f"leaf {i} ({s.name}) uses compact storage but param_mask has no mask"
-            " for it; pass param_mask= (periodic_mask does) or scope the leaf out"
-            " with `where`."
-          )
+          raise ValueError(_no_mask(i, s))
         out.append(None)
         continue
       m = jnp.asarray(m)

@@ -585,6 +585,8 @@ class MaskBound(NamedTuple):
     parts: with ``block``, the counts of the parts that each hold ``tiles``.
     structure: ``(n, m)`` where every mask keeps ``n`` of each ``m`` along ``axis``.
     axis: the N:M axis, non-negative.
+    masked: ``False`` where the wrapper passes no mask for the leaf
+      (``optax.MaskedNode``: it does not prune it); the counts are then ``None``.
   """
 
   shape: tuple[int, ...]
@@ -596,6 +598,7 @@ class MaskBound(NamedTuple):
   parts: tuple[int, ...] | None = None
   structure: tuple[int, int] | None = None
   axis: int = 0
+  masked: bool = True
 
   @property
   def all_active(self) -> bool:

@@ -104,6 +104,13 @@ CASES = {
     True,
   ),
   "entries fit": (flat(density=0.3), {"sparsity": 0.7}, None, True),
+  "a leaf without a mask": (
+    flat(density=0.3),
+    {"sparsity": 0.7, "where": matrices},
+    r"leaf 0 \(\['b'\]\) uses compact storage but param_mask has no mask.*passes"
+    r" it no mask",
+    True,
+  ),
   "global share overflow": (
     flat(density=0.3),
     {"sparsity": 0.05, "ranking": "global"},
