@@ -361,7 +361,7 @@ def periodic_mask(
       shape = tuple(jnp.shape(x))
       if p.layout is None and hasattr(x, "shape"):  # it gets no mask
         what = "periodic_mask passes it no mask (its `where` does not prune it)"
-        key = jax.tree_util.keystr(path)
+        key = (jax.tree_util.keystr(path), id(x))
         bounds_unmasked[key] = _topk.MaskBound(shape, what, None, masked=False)
       if p.layout is None or math.prod(shape) == 0:
         continue
@@ -370,7 +370,7 @@ def periodic_mask(
         units = (
           math.prod(shape[:-2]) * (shape[-2] // block[0]) * (shape[-1] // block[1])
         )
-      leaves.append((jax.tree_util.keystr(path), shape, units, parts))
+      leaves.append(((jax.tree_util.keystr(path), id(x)), shape, units, parts))
     total = sum(units for _, _, units, _ in leaves)
     s0 = 0.0 if start > 0 else first_target()
     if start > 0:

@@ -47,7 +47,8 @@ transform). Per scoped leaf, one of two storages is used:
   refresh's top-k count, its tiles, its N:M groups), a mask that certainly cannot
   be stored -- too many entries or tiles, or a count of entries that whole tiles
   cannot make -- is the same ``ValueError`` raised by ``init``, before any step
-  (with ``on_error="record"`` too: such a run could not step). What depends on the
+  (with ``on_error="record"`` too, whose run would record the failure and leave
+  the leaf without updates). What depends on the
   values is left to the step's check: how a ``ranking="global"`` top-k shares its
   count out beyond what each leaf must take, a traced target, whether an entry
   mask happens to be whole tiles, balance over shard parts the mask does not have.
@@ -793,10 +794,11 @@ class _Compact(_Storage):
     # changed) and their indices (the step's ctx, rebuilt only when it changed).
     return bits, jnp.full((self.capacity,), self.size, jnp.int32)
 
-  def _overflow(self, active: int) -> str:
+  def _overflow(self, active: int, at_least: bool = False) -> str:
     return (
       f"sparse_state compact capacity overflow: leaf {self.name} (size"
-      f" {self.size}) has {active} active entries in its parameter mask, more than"
+      f" {self.size}) has {_at_least(at_least)}{active} active entries in its"
+      " parameter mask, more than"
       f" its compact storage holds: capacity {self.limit} = {self.capacity}."
       f" Raise `density` to at least {active / self.size:.4g} (the densest mask"
       " of the run: under a sparsity ramp, the early masks), or use mode='skip'."
@@ -804,7 +806,7 @@ class _Compact(_Storage):
 
   def bound_problem(self, bound):
     if bound.entries is not None and bound.entries > self.capacity:
-      return self._overflow(bound.entries)
+      return self._overflow(bound.entries, not bound.exact)
     return None
 
   def prepare(self, mask, bits, grad, record=False):
@@ -903,12 +905,14 @@ class _Tiles(_Storage):
   def init_bits(self):
     return jnp.zeros(((self.num_tiles + 7) // 8,), jnp.uint8)
 
-  def _overflow(self, active: int, unit: str | None = None) -> str:
+  def _overflow(
+    self, active: int, unit: str | None = None, at_least: bool = False
+  ) -> str:
     return (
       f"sparse_state compact capacity overflow: {unit or self.unit} ({self.num_tiles}"
-      f" tiles of {self.block[0]}x{self.block[1]}) has {active} active tiles in its"
-      f" parameter mask, more than its compact storage holds: capacity"
-      f" {self.limit} = {self.capacity}. Raise `density` to at least"
+      f" tiles of {self.block[0]}x{self.block[1]}) has {_at_least(at_least)}{active}"
+      " active tiles in its parameter mask, more than its compact storage holds:"
+      f" capacity {self.limit} = {self.capacity}. Raise `density` to at least"
       f" {active / self.num_tiles:.4g} (the densest mask of the run: under a"
       f" sparsity ramp, the early masks), or use mode='skip'.{self.hint}"
     )
@@ -935,20 +939,7 @@ class _Tiles(_Storage):
       return None
     r, c = self.block
     if bound.block is None or bound.block[0] % r or bound.block[1] % c:
-      # Whole r x c tiles hold a multiple of r * c entries: other counts cannot be.
-      if not bound.exact or bound.entries % (r * c) == 0:
-        return None
-      made_of = (
-        "entries" if bound.block is None else f"{bound.block[0]}x{bound.block[1]} tiles"
-      )
-      return (
-        f"sparse_state: the parameter masks of {unit or self.unit} will be made"
-        f" of {made_of} ({bound.entries} active entries, not a multiple of"
-        f" {r * c}), not of the whole {r}x{c} tiles (block={self.block}) that its"
-        f" compact tile storage keeps. Give periodic_mask block=({r}, {c}) (or"
-        " tiles that are whole numbers of them) and the same shards, or use"
-        " mode='skip'."
-      )
+      return self._untiled(bound) if bound.exact else None
     if bound.tiles is None or (parts is not None and bound.parts != parts):
       return None
     # Tiles of r x c per tile of the bound, times the bound's parts per this one.
@@ -956,7 +947,32 @@ class _Tiles(_Storage):
     if parts is None:
       per *= math.prod(bound.parts or (1,))
     n = bound.tiles * per
-    return self._overflow(n, unit) if n > self.capacity else None
+    return self._overflow(n, unit, not bound.exact) if n > self.capacity else None
+
+  def _untiled(self, bound):
+    """Why masks of ``bound``'s exact count certainly are not whole tiles, or
+    ``None``: whole ``r x c`` tiles hold a multiple of ``r * c`` entries, per leaf,
+    and per part of ``bound.parts`` where such tiles lie within its parts."""
+    r, c = self.block
+    count, where = bound.entries, ""
+    if bound.parts is not None:
+      k = len(bound.parts)
+      part = [n // p for n, p in zip(bound.shape[-k:], bound.parts, strict=True)]
+      if part[-2] % r == 0 and part[-1] % c == 0:
+        count //= math.prod(bound.parts)
+        sizes = "x".join(map(str, bound.parts))
+        where = f" in each of its {sizes} shard parts"
+    if count % (r * c) == 0:
+      return None
+    made_of = "entries" if bound.block is None else "{}x{} tiles".format(*bound.block)
+    return (
+      f"sparse_state: the parameter masks of leaf {self.name} will be made of"
+      f" {made_of} ({count} active entries{where}, not a multiple of"
+      f" {r * c}), not of the whole {r}x{c} tiles (block={self.block}) that its"
+      f" compact tile storage keeps. Give periodic_mask block=({r}, {c}) (or"
+      " tiles that are whole numbers of them) and the same shards, or use"
+      " mode='skip'."
+    )
 
   def prepare(self, mask, bits, grad, record=False):
     _reject_explicit(grad, mask, "compact tile storage", "tiles")
@@ -1193,13 +1209,13 @@ class _Grouped(_Storage):
   def init_bits(self):
     return jnp.zeros(self.groups.bits_shape, self.groups.bits_dtype)
 
-  def _overflow(self, active: int) -> str:
+  def _overflow(self, active: int, at_least: bool = False) -> str:
     g = self.groups
     return (
       f"sparse_state compact capacity overflow: a group of {g.m} entries has"
-      f" {active} active but structure=({g.n}, {g.m}) stores {g.n} (leaf"
-      f" {self.name}, groups along axis {g.axis}); the mask is not N:M along"
-      " `axis` (give periodic_mask the same structure and axis, or use"
+      f" {_at_least(at_least)}{active} active but structure=({g.n}, {g.m}) stores"
+      f" {g.n} (leaf {self.name}, groups along axis {g.axis}); the mask is not N:M"
+      " along `axis` (give periodic_mask the same structure and axis, or use"
       " mode='skip')."
     )
 
@@ -1215,7 +1231,7 @@ class _Grouped(_Storage):
     groups = self.size // g.m
     if bound.entries is not None and bound.entries > groups * g.n:
       # More than all the slots: the fullest group has at least the mean.
-      return self._overflow(-(-bound.entries // groups))
+      return self._overflow(-(-bound.entries // groups), at_least=True)
     return None
 
   def prepare(self, mask, bits, grad, record=False):
@@ -1718,6 +1734,11 @@ def _base_step(base):
   return step
 
 
+def _at_least(lower_bound: bool) -> str:
+  """For a count that init knows only as a lower bound."""
+  return "at least " if lower_bound else ""
+
+
 def _no_mask(i: int, storage: _Storage) -> str:
   return (
     f"leaf {i} ({storage.name}) uses compact storage but param_mask has no mask"
@@ -1746,7 +1767,7 @@ def _transformation(
     # Masks that a wrapper's init announced (periodic_mask's densest ones): one
     # that certainly cannot be stored fails here, before any step.
     for i, s in enumerate(storages):
-      bound = _topk.mask_bound(s.name, s.shape)
+      bound = _topk.mask_bound(s.name, flat[i])
       if bound is None:
         continue
       if bound.masked:

@@ -606,7 +606,8 @@ class MaskBound(NamedTuple):
 
 
 # The bounds of the masks that a wrapper's init is about to hand its inner transform,
-# by leaf key path (jax.tree_util.keystr). optax's init takes the params only, so the
+# by leaf key path (jax.tree_util.keystr) and leaf object (its id: the same object
+# under the same path is the same leaf). optax's init takes the params only, so the
 # wrapper sets them around its inner init (:func:`mask_bounds`); nothing else reads
 # or writes them, and they are gone when that init returns.
 _MASK_BOUNDS: contextvars.ContextVar[dict[str, MaskBound] | None] = (
@@ -615,8 +616,9 @@ _MASK_BOUNDS: contextvars.ContextVar[dict[str, MaskBound] | None] = (
 
 
 @contextlib.contextmanager
-def mask_bounds(bounds: dict[str, MaskBound]):
-  """Makes ``bounds`` (by key path) what :func:`mask_bound` returns inside."""
+def mask_bounds(bounds: dict[tuple[str, int], MaskBound]):
+  """Makes ``bounds`` (by key path and ``id`` of the leaf) what :func:`mask_bound`
+  returns inside."""
   token = _MASK_BOUNDS.set(bounds)
   try:
     yield
@@ -624,8 +626,11 @@ def mask_bounds(bounds: dict[str, MaskBound]):
     _MASK_BOUNDS.reset(token)
 
 
-def mask_bound(name: str, shape: tuple[int, ...]) -> MaskBound | None:
-  """The bound set by an enclosing :func:`mask_bounds` for the leaf at key path
-  ``name`` of ``shape``, or ``None``."""
-  bound = (_MASK_BOUNDS.get() or {}).get(name)
-  return bound if bound is not None and bound.shape == tuple(shape) else None
+def mask_bound(name: str, leaf: Any) -> MaskBound | None:
+  """The bound set by an enclosing :func:`mask_bounds` for ``leaf`` at key path
+  ``name``, or ``None``. Both must match: optax's wrappers hand their inner
+  transform the same leaf objects at the same paths (``optax.masked`` replaces
+  others by ``MaskedNode``), and a wrapper that hands it a subtree or new arrays
+  gets no bound (nothing is checked at init)."""
+  bound = (_MASK_BOUNDS.get() or {}).get((name, id(leaf)))
+  return bound if bound is not None and bound.shape == tuple(jnp.shape(leaf)) else None
