@@ -329,7 +329,7 @@ def periodic_mask(
   def check_parts_keep(parts, shape, name):
     # The top-k of a part rounds the target on its T_p tiles: where that keeps no
     # tile while the leaf's top-k would keep some, the layer would be pruned whole.
-    tiles = math.prod(shape[:-2]) * (shape[-2] // block[0]) * (shape[-1] // block[1])
+    tiles = _topk.num_tiles(shape, block)
     per_part = tiles // math.prod(parts)
     keep = functools.partial(_topk.num_keep_host, final)
     if keep(per_part) == 0 < keep(tiles):
@@ -349,11 +349,12 @@ def periodic_mask(
     return None if _compat.is_tracer(s0) else float(s0)
 
   def bounds_of(plans, params):
-    """Per scoped leaf (by key path), the densest mask this wrapper will hand its
-    inner transform (:class:`magma_optax._topk.MaskBound`): :func:`sparse_state`'s
-    init checks its compact storage against it."""
+    """Per leaf (by key path and leaf object), the densest mask this wrapper will
+    hand its inner transform, or that it hands none (:class:`magma_optax._topk.
+    MaskBound`): :func:`sparse_state`'s init checks its compact storage against
+    it. Leaves whose counts are traced get none."""
     paths_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    bounds_unmasked = {}
+    bounds = {}
     leaves = []  # (key path, shape, units a top-k ranks, their parts)
     for p, (path, x), parts in zip(
       plans, paths_leaves, parts_of(plans, params), strict=True
@@ -362,14 +363,10 @@ def periodic_mask(
       if p.layout is None and hasattr(x, "shape"):  # it gets no mask
         what = "periodic_mask passes it no mask (its `where` does not prune it)"
         key = (jax.tree_util.keystr(path), id(x))
-        bounds_unmasked[key] = _topk.MaskBound(shape, what, None, masked=False)
+        bounds[key] = _topk.MaskBound(shape, what, None, masked=False)
       if p.layout is None or math.prod(shape) == 0:
         continue
-      units = math.prod(shape)
-      if block is not None:
-        units = (
-          math.prod(shape[:-2]) * (shape[-2] // block[0]) * (shape[-1] // block[1])
-        )
+      units = math.prod(shape) if block is None else _topk.num_tiles(shape, block)
       leaves.append(((jax.tree_util.keystr(path), id(x)), shape, units, parts))
     total = sum(units for _, _, units, _ in leaves)
     s0 = 0.0 if start > 0 else first_target()
@@ -386,7 +383,6 @@ def periodic_mask(
       )
     unit = "entries" if block is None else f"{block[0]}x{block[1]} tiles"
     area = 1 if block is None else block[0] * block[1]
-    bounds = bounds_unmasked
     for name, shape, units, parts in leaves:
       size = math.prod(shape)
       if structure is not None:
@@ -399,9 +395,7 @@ def periodic_mask(
           what += f" entries along axis {axis}"
           bounds[name] = _topk.MaskBound(shape, what, size * n // m, **nm)
         continue
-      tiled = {"block": block, "parts": parts}
       if s0 is None:  # traced: the counts are known in the step only
-        bounds[name] = _topk.MaskBound(shape, "", None, **tiled)
         continue
       n_parts = math.prod(parts or (1,))
       if ranking == "per_leaf":
@@ -423,7 +417,7 @@ def periodic_mask(
           )
       tiles = None if block is None else keep
       bounds[name] = _topk.MaskBound(
-        shape, what, keep * area * n_parts, exact, tiles=tiles, **tiled
+        shape, what, keep * area * n_parts, exact, block, tiles, parts
       )
     return bounds
 

@@ -428,6 +428,11 @@ def check_tiles(shape: tuple[int, ...], block: tuple[int, int], name: str) -> No
     )
 
 
+def num_tiles(shape: tuple[int, ...], block: tuple[int, int]) -> int:
+  """The number of ``r x c`` tiles of the last two axes of ``shape`` (whole ones)."""
+  return math.prod(shape[:-2]) * (shape[-2] // block[0]) * (shape[-1] // block[1])
+
+
 def _tiled(x: jax.Array, block: tuple[int, int]) -> jax.Array:
   r, c = block
   *lead, rows, cols = x.shape
