@@ -354,9 +354,10 @@ def num_keep(sparsity: jax.Array, n: int) -> jax.Array:
 
 
 def num_keep_host(sparsity: float, n: int) -> int:
-  """:func:`num_keep` on the host (the same float32 rounding), for checks at init."""
-  pruned = int(np.round(np.float32(sparsity) * np.float32(n)))
-  return n - min(max(pruned, 0), n)
+  """:func:`num_keep` evaluated on the host (also while ``init`` is traced), for
+  checks at init."""
+  with jax.ensure_compile_time_eval():
+    return int(num_keep(jnp.float32(sparsity), n))
 
 
 def n_m_mask(
