@@ -6,7 +6,13 @@ transform). Per scoped leaf, one of two storages is used:
 
 * **skip** (dense storage, "masked-moment update"): the base runs on the whole leaf; for
   inactive entries the new state is discarded (their moments stay frozen) and the
-  update is zero.
+  update is zero. The base's new state is frozen where the base computes it
+  (:mod:`magma_optax._freeze`), so that its update reads the frozen state: XLA
+  then writes the state in place and copies no old moment (4.7x -> 1.1-1.25x
+  ``optax.adam``'s donated step at 4 M parameters on a 2-core CPU). That needs
+  every use of a state entry inside the base to be elementwise; an entry whose
+  update reads, e.g., a norm over the leaf (LAMB's trust ratio) is frozen after
+  the step, as before, with the same results and the copy.
 * **compact**: the base runs on a fixed-capacity vector holding only the active
   entries, gathered from the gradient and scattered back into the update
   (at the indices of the active entries, ``capacity`` of them, so shapes are static
@@ -177,6 +183,7 @@ import optax
 
 from magma_optax import _compat
 from magma_optax import _engine
+from magma_optax import _freeze
 from magma_optax import _scoping
 from magma_optax import _topk
 from magma_optax import _trees
@@ -1933,15 +1940,63 @@ def _transformation(
     stored_masks = [
       s.stored_mask(c, m) for s, c, m in zip(storages, ctx, masks, strict=True)
     ]
-    base_updates, new_state = step(
-      storages, ctx, treedef, flat_g, flat_p, old_state, stored_masks, extra_args
-    )
-    if not frozen:
-      new_state = per_entry(
-        lambda i, new, old: storages[i].freeze(ctx[i], masks[i], new, old),
-        new_state,
-        old_state,
+
+    def run_step():
+      return step(
+        storages, ctx, treedef, flat_g, flat_p, old_state, stored_masks, extra_args
       )
+
+    skip = [
+      not frozen and isinstance(s, _Skip) and m is not None
+      for s, m in zip(storages, masks, strict=True)
+    ]
+    if not any(skip):
+      base_updates, new_state = run_step()
+      done = set()
+    else:
+      # The frozen state computed where the base computes it, so that the base's
+      # update reads it (no copy of the old state; see _freeze).
+      index = []  # the flat output index of each state entry, if traced
+
+      def targets_of(shapes):
+        flat = jax.tree.unflatten(
+          jax.tree.structure(shapes), range(len(jax.tree.leaves(shapes)))
+        )
+        groups = [{k} if isinstance(k, int) else set() for k in flat[0]]
+        entries = []
+        index.append(
+          per_entry(
+            lambda i, shape, k, old: entries.append((i, k, old)) or k,
+            shapes[1],
+            flat[1],
+            old_state,
+          )
+        )
+        for i, k, _ in entries:
+          groups[i].add(k)
+        return {
+          k: _freeze.Target(masks[i], old, groups[i])
+          for i, k, old in entries
+          if skip[i]
+        }
+
+      (base_updates, new_state), done = _freeze.evaluate(run_step, targets_of)
+    if not frozen:
+      if done:
+        new_state = per_entry(
+          lambda i, new, old, k: (
+            new if k in done else storages[i].freeze(ctx[i], masks[i], new, old)
+          ),
+          new_state,
+          old_state,
+          index[0],
+        )
+      else:
+        new_state = per_entry(
+          lambda i, new, old: storages[i].freeze(ctx[i], masks[i], new, old),
+          new_state,
+          old_state,
+        )
     if record:  # a leaf whose mask failed gets no update
       base_updates = [
         u if b is None else jnp.where(b, jnp.zeros_like(u), u)
