@@ -91,10 +91,8 @@ def _elementwise_slice(jaxpr: Any, start: set, shape: tuple) -> set | None:
     hit = [i for i, x in enumerate(eqn.invars) if _is_var(x) and x in reach]
     if not hit:
       continue
-    if any(o.aval.shape != shape for o in eqn.outvars):
-      return None
     name = eqn.primitive.name
-    if name in _CALLS:
+    if name in _CALLS:  # followed inside: a jit of a whole tree has other outputs
       inner = eqn.params["jaxpr"].jaxpr
       inner_reach = _elementwise_slice(inner, {inner.invars[i] for i in hit}, shape)
       if inner_reach is None:
@@ -104,7 +102,9 @@ def _elementwise_slice(jaxpr: Any, start: set, shape: tuple) -> set | None:
         if _is_var(x) and x in inner_reach
       )  # fmt: skip
     elif name in ELEMENTWISE:
-      if any(getattr(x.aval, "shape", ()) not in ((), shape) for x in eqn.invars):
+      if any(o.aval.shape != shape for o in eqn.outvars) or any(
+        getattr(x.aval, "shape", ()) not in ((), shape) for x in eqn.invars
+      ):
         return None
       reach.update(eqn.outvars)
     else:

@@ -66,6 +66,17 @@ def _run(base, rewrite: bool, donate=False):
   return out, frozen
 
 
+def _jitted(fn):
+  """A transform applying ``fn`` to the whole tree of updates inside one jit (as
+  optax's own tree helpers are on newer versions): followed inside."""
+
+  def update(updates, state, params=None):
+    del params
+    return jax.jit(fn)(updates), state
+
+  return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+
+
 BASES = {
   # name: (base, whether any state entry is frozen inside; which: see below)
   "adam": (optax.adam(0.1), True),
@@ -84,9 +95,20 @@ BASES = {
     ),
     True,
   ),
+  "adam, jit over the tree": (
+    optax.chain(optax.adam(0.1), _jitted(lambda t: jax.tree.map(lambda x: 2 * x, t))),
+    True,
+  ),
   # An update that reads a norm of the moments: not frozen inside (the freeze
   # after the step, as before).
   "lamb": (optax.lamb(0.1), False),
+  "adam, a norm inside a jit": (
+    optax.chain(
+      optax.adam(0.1),
+      _jitted(lambda t: jax.tree.map(lambda x: x / jnp.linalg.norm(x), t)),
+    ),
+    False,
+  ),
   # Its all-or-nothing choice is a select by a scalar: elementwise.
   "apply_if_finite": (optax.apply_if_finite(optax.adam(0.1), 3), True),
   # Only the momentum (see test_what_is_frozen_inside).
