@@ -99,8 +99,8 @@ are found with :func:`magma_optax._trees.map_like` (at the stored shapes).
 same storages and state whose Adam step is written per storage: over the active
 tiles (:func:`magma_optax.kernels.tiles.tile_adam`, with a Pallas kernel behind
 ``implementation=``), and for skip storage from the merged moments, which lets XLA
-update them in place (through a generic base it keeps a copy of the old moments:
-the update needs both).
+update them in place (for a generic base, skip storage gets there by tracing its
+step: :mod:`magma_optax._freeze`).
 
 **Auto-dense.** Compact storage costs the active entries plus bookkeeping and a gather
 / scatter per step; above a density of ``density_threshold`` (default 0.6, a rule
@@ -1441,10 +1441,9 @@ def sparse_adam(
     slots only, so its cost follows ``density``;
   * **skip** (dense storage, element masks): the frozen moments are merged first,
     ``m <- where(M, m', m)``, and the update is computed from the merged moments
-    (equal where ``M`` holds, masked to 0 elsewhere). Through a generic base the
-    update needs the old moments *and* the new ones, so XLA keeps a copy of the
-    moments; from the merged ones it updates them in place (see
-    ``benchmarks/RESULTS.md`` for the measured difference);
+    (equal where ``M`` holds, masked to 0 elsewhere), so XLA updates them in
+    place (what :func:`sparse_state` does for a generic base by tracing it, see
+    :mod:`magma_optax._freeze`);
   * other storages (flat and N:M compact, dense leaves): Adam's element-wise step
     on the stored entries, in XLA.
 
