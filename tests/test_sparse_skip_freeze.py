@@ -38,6 +38,10 @@ def _inputs(seed=0):
     if t == 2:  # a non-finite gradient where the mask is off
       g["w"][~m["w"]] = np.inf
       g["w"][0, ~m["w"][0]] = np.nan
+    if t == 3:  # a huge gradient where it is on (g * g overflows), a zero leaf
+      i, j = np.argwhere(m["w"])[0]
+      g["w"][i, j] = 3e38
+      g["b"][:] = 0.0
     grads.append(g)
     masks.append(m)
   return grads, masks
