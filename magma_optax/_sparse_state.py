@@ -1979,7 +1979,9 @@ def _transformation(
           if skip[i]
         }
 
-      (base_updates, new_state), done = _freeze.evaluate(run_step, targets_of)
+      inputs = (flat_g, flat_p, old_state, masks, extra_args)
+      tracing = any(map(_compat.is_tracer, jax.tree.leaves(inputs)))
+      (base_updates, new_state), done = _freeze.evaluate(run_step, targets_of, tracing)
     if not frozen:
       if done:
         new_state = per_entry(

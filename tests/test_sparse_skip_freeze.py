@@ -8,6 +8,7 @@ and for Adam the plain-numpy masked Adam of tests/test_sparse_state.py.
 """
 
 import functools
+from typing import NamedTuple
 from unittest import mock
 
 import jax
@@ -24,8 +25,8 @@ SHAPES = {"w": (6, 8), "b": (8,)}
 STEPS = 4
 
 
-def _plain(fn, targets_of):
-  del targets_of
+def _plain(fn, targets_of, tracing=True):
+  del targets_of, tracing
   return fn(), set()
 
 
@@ -54,8 +55,8 @@ def _run(base, rewrite: bool, donate=False):
   frozen = []
   real = _freeze.evaluate
 
-  def spy(fn, targets_of):
-    out, done = real(fn, targets_of)
+  def spy(fn, targets_of, tracing=True):
+    out, done = real(fn, targets_of, tracing)
     frozen.append(len(done))
     return out, done
 
@@ -204,22 +205,100 @@ def test_vmap_through_the_rewrite():
     np.testing.assert_allclose(new.base_state[0].mu["w"][i], new1.base_state[0].mu["w"])
 
 
-def test_a_base_that_needs_concrete_values_runs_eagerly_as_before():
-  # Tracing such a base fails; the step then calls it as it is (freeze after).
+def test_a_base_that_needs_a_concrete_value_under_vmap_runs_as_it_is():
+  # Under vmap (no jit) a value computed from closed-over constants is concrete,
+  # and a base may read it; traced into a jaxpr it is not: the step then calls the
+  # base as it is (freeze after).
   adam = optax.adam(0.1)
+  scale = jnp.full(3, 2.0)
 
   def update(g, s, p=None):
-    scale = 2.0 if float(jnp.max(g["w"])) > 0 else 1.0  # concrete values only
+    factor = float(jnp.max(scale))  # concrete under vmap, traced in a jaxpr
     u, s = adam.update(g, s, p)
-    return jax.tree.map(lambda x: scale * x, u), s
+    return jax.tree.map(lambda x: factor * x, u), s
 
-  base = optax.GradientTransformation(adam.init, update)
+  tx = magma.sparse_state(optax.GradientTransformation(adam.init, update))
+  ref = magma.sparse_state(adam)
+  params = {"w": jnp.ones((3, 4))}
+  g = jnp.arange(24.0).reshape(2, 3, 4)
+  m = jnp.arange(24).reshape(2, 3, 4) % 3 == 0
+
+  def steps(tx):
+    return jax.vmap(
+      lambda g, m: tx.update({"w": g}, tx.init(params), params, param_mask={"w": m})
+    )(g, m)
+
+  (u, s), (ref_u, ref_s) = steps(tx), steps(ref)
+  np.testing.assert_allclose(u["w"], 2 * np.asarray(ref_u["w"]), rtol=1e-6)
+  np.testing.assert_array_equal(s.base_state[0].mu["w"], ref_s.base_state[0].mu["w"])
+
+
+class _Two(NamedTuple):
+  mom: dict
+  last: dict
+
+
+def _returns_one_array_twice():
+  """A base whose state holds the same new array twice, from different old values
+  (``mom`` starts at 0, ``last`` at 1)."""
+
+  def init(p):
+    return _Two(jax.tree.map(jnp.zeros_like, p), jax.tree.map(jnp.ones_like, p))
+
+  def update(g, s, p=None):
+    del p
+    new = jax.tree.map(lambda g, m: 0.5 * m + g, g, s.mom)
+    return jax.tree.map(lambda x: -0.1 * x, new), _Two(new, new)
+
+  return optax.GradientTransformation(init, update)
+
+
+def test_one_array_as_two_state_entries_keeps_each_old_value():
+  # Frozen once, the array would take one entry's old value into both (found by an
+  # adversarial review: `last` was [2, 0, 2] for [2, 1, 2]); such arrays are frozen
+  # after the step.
+  got, frozen = _run(_returns_one_array_twice(), rewrite=True)
+  want, _ = _run(_returns_one_array_twice(), rewrite=False)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_array_equal(a, b)
+  assert frozen == [0]
+
+
+def test_constant_state_entries_stay_arrays_inside_jit():
+  # optimistic gradient descent keeps a constant flag in its state: traced, it is a
+  # literal of the jaxpr, handed back as an array (what the base returned), so code
+  # in the same jit can read its dtype.
+  base = optax.optimistic_gradient_descent(0.1)
   tx = magma.sparse_state(base)
+  params = {"w": jnp.ones((3, 4))}
+  m = {"w": jnp.arange(12).reshape(3, 4) % 2 == 0}
+
+  @jax.jit
+  def dtypes(s):
+    _, new = tx.update(params, s, params, param_mask=m)
+    return [jnp.zeros([], x.dtype) for x in jax.tree.leaves(new)]
+
+  want = [x.dtype for x in jax.tree.leaves(tx.init(params))]
+  assert [x.dtype for x in dtypes(tx.init(params))] == want
+
+
+def test_an_eager_step_runs_the_base_as_it_is():
+  # Nothing traced, nothing to gain: the base runs on concrete values, and may read
+  # them (a boolean index, a formatted value).
+  adam = optax.adam(0.1)
+  seen = []
+
+  def update(g, s, p=None):
+    u, s = adam.update(g, s, p)
+    seen.append(f"{float(jnp.max(u['w'][u['w'] < 0])):.4f}")
+    return u, s
+
+  tx = magma.sparse_state(optax.GradientTransformation(adam.init, update))
   params = {"w": jnp.ones((3, 4))}
   g = {"w": jnp.arange(12.0).reshape(3, 4)}
   m = {"w": jnp.arange(12).reshape(3, 4) % 2 == 0}
-  u, s = tx.update(g, tx.init(params), params, param_mask=m)
+  u, _ = tx.update(g, tx.init(params), params, param_mask=m)
+  assert seen == ["-0.1000"]
   ref = magma.sparse_state(adam)
-  ref_u, ref_s = ref.update(g, ref.init(params), params, param_mask=m)
-  np.testing.assert_allclose(u["w"], 2 * np.asarray(ref_u["w"]), rtol=1e-6)
-  np.testing.assert_array_equal(s.base_state[0].mu["w"], ref_s.base_state[0].mu["w"])
+  want, _ = ref.update(g, ref.init(params), params, param_mask=m)
+  np.testing.assert_array_equal(u["w"], want["w"])
