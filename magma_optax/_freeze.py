@@ -151,13 +151,13 @@ def evaluate(
     if _is_var(x):
       readers.setdefault(x, set()).add(k)
   inputs = set(jaxpr.invars) | set(jaxpr.constvars)
+  # One array as two entries: each has its own old value (frozen after the step).
+  shared = {x for x, ks in readers.items() if len(ks & targets.keys()) > 1}
   freeze: dict[Any, Target] = {}
   for k, t in targets.items():
     x = outs[k]
-    if not _is_var(x) or x in inputs or x in freeze:
+    if not _is_var(x) or x in inputs or x in shared:
       continue
-    if sum(outs[j] is x for j in targets) > 1:
-      continue  # one array as two entries: each has its own old value
     aval = x.aval
     if t.mask.shape != aval.shape or (t.old.shape, t.old.dtype) != (
       aval.shape,
