@@ -159,12 +159,9 @@ def evaluate(
     if not _is_var(x) or x in inputs or x in shared:
       continue
     aval = x.aval
-    if t.mask.shape != aval.shape or (t.old.shape, t.old.dtype) != (
-      aval.shape,
-      aval.dtype,
-    ):
+    if (t.mask.shape, t.old.shape, t.old.dtype) != (aval.shape, aval.shape, aval.dtype):
       continue
-    reach = _elementwise_slice(jaxpr, {x}, x.aval.shape)
+    reach = _elementwise_slice(jaxpr, {x}, aval.shape)
     if reach is not None and all(readers.get(y, set()) <= set(t.group) for y in reach):
       freeze[x] = t
   env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts, strict=True))

@@ -1982,22 +1982,15 @@ def _transformation(
       inputs = (flat_g, flat_p, old_state, masks, extra_args)
       tracing = any(map(_compat.is_tracer, jax.tree.leaves(inputs)))
       (base_updates, new_state), done = _freeze.evaluate(run_step, targets_of, tracing)
-    if not frozen:
-      if done:
-        new_state = per_entry(
-          lambda i, new, old, k: (
-            new if k in done else storages[i].freeze(ctx[i], masks[i], new, old)
-          ),
-          new_state,
-          old_state,
-          index[0],
-        )
-      else:
-        new_state = per_entry(
-          lambda i, new, old: storages[i].freeze(ctx[i], masks[i], new, old),
-          new_state,
-          old_state,
-        )
+    if not frozen:  # what the base did not freeze inside (k: the entry's index)
+      new_state = per_entry(
+        lambda i, new, old, *k: (
+          new if k and k[0] in done else storages[i].freeze(ctx[i], masks[i], new, old)
+        ),
+        new_state,
+        old_state,
+        *(index[:1] if done else ()),
+      )
     if record:  # a leaf whose mask failed gets no update
       base_updates = [
         u if b is None else jnp.where(b, jnp.zeros_like(u), u)
