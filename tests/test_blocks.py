@@ -1,10 +1,13 @@
 """Block layouts against the independent numpy block ids of tests/algorithm1.py."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from algorithm1 import block_ids
 
 import magma_optax as magma
+from magma_optax._blocks import SUM_RUN
 
 CASES = [
   ((), "tensor", 0),
@@ -69,3 +72,52 @@ def test_stack_axes_beyond_rank_raises():
     tx.init({"w": np.zeros((6,), np.float32)})
   with pytest.raises(ValueError, match="stack_axes"):
     magma.bernoulli_mask(0.5, stack_axes=-1)
+
+
+# The runs path needs a last axis that is a multiple of SUM_RUN above it.
+MASKED_CASES = CASES + [
+  ((3, 2 * SUM_RUN), "row", 0),
+  ((3, 2 * SUM_RUN), "tensor", 0),
+  ((2, 3, 4 * SUM_RUN), "tensor", 1),
+  ((4, 2 * SUM_RUN), (2, 2 * SUM_RUN), 0),
+  ((4, 3 * SUM_RUN), "column", 0),
+]
+
+
+@pytest.mark.parametrize("shape,granularity,stack_axes", MASKED_CASES)
+def test_masked_block_sums_match_numpy(shape, granularity, stack_axes):
+  # Against float64 bincounts over the kept entries; the dropped entries hold inf
+  # and NaN, which must not reach any sum.
+  layout = magma.block_layout(shape, granularity, stack_axes)
+  ids, n = block_ids(shape, granularity, stack_axes)
+  rng = np.random.default_rng(1)
+  xs = [rng.normal(size=shape).astype(np.float32) for _ in range(3)]
+  keep = rng.uniform(size=shape) < 0.4
+  for x, bad in zip(xs, (np.inf, np.nan, -np.inf), strict=False):
+    x[~keep] = bad
+  sums = layout.masked_block_sums([jnp.asarray(x) for x in xs], jnp.asarray(keep))
+  assert len(sums) == 3
+  for x, s in zip(xs, sums, strict=True):
+    assert s.shape == layout.block_shape and s.dtype == jnp.float32
+    kept = np.where(keep, x, 0).astype(np.float64)
+    expected = np.bincount(ids.ravel(), weights=kept.ravel(), minlength=n)
+    # float32 sums of at most a few thousand entries of size ~1
+    np.testing.assert_allclose(np.asarray(s).ravel(), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_masked_block_sums_under_jit_vmap_and_grad():
+  layout = magma.block_layout((4, 2 * SUM_RUN), "row")
+  rng = np.random.default_rng(2)
+  x = jnp.asarray(rng.normal(size=(3, 4, 2 * SUM_RUN)), jnp.float32)
+  keep = jnp.asarray(rng.uniform(size=(3, 4, 2 * SUM_RUN)) < 0.5)
+
+  def f(x, keep):
+    dot, sq = layout.masked_block_sums([x * 2.0, x * x], keep)
+    return dot.sum() + sq.sum()
+
+  got = jax.jit(jax.vmap(f))(x, keep)
+  np.testing.assert_allclose(
+    got, jnp.sum(jnp.where(keep, 2 * x + x * x, 0), axis=(1, 2)), rtol=1e-5
+  )
+  grad = jax.grad(lambda x: jax.vmap(f)(x, keep).sum())(x)
+  np.testing.assert_allclose(grad, jnp.where(keep, 2 + 2 * x, 0), rtol=1e-6)

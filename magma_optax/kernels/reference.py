@@ -147,9 +147,8 @@ def partial_sums(
   """Per-block f32 ``(<mu, g>, ||mu||^2, ||g||^2)`` over the existing entries."""
   m = mu.astype(jnp.float32)
   g = grad.astype(jnp.float32)
-  if param_mask is not None:
-    m = jnp.where(param_mask, m, 0.0)
-    g = jnp.where(param_mask, g, 0.0)
+  if param_mask is not None:  # one reduction, no masked copies of m and g
+    return layout.masked_block_sums((m * g, m * m, g * g), param_mask)
   return layout.block_sum(m * g), layout.block_sum(m * m), layout.block_sum(g * g)
 
 
