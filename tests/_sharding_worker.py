@@ -57,6 +57,11 @@ FLAT = {
 }
 SQUARE = {k: v for k, v in FLAT.items() if k != "bias"}  # 4x4 tiles divide these
 STACKED = {"layers": ((4, 8, 16), P(None, "x", "y")), "head": ((16, 8), P("y", None))}
+# Rows long enough for the runs of masked block sums (_blocks.SUM_RUN entries): one
+# leaf whose last axis is sharded, one whose last axis is whole on every device
+# (split along a leading axis: periodic_mask's mask counts, in chunks of rows, stay
+# local; rows split over devices would all-reduce a chunk's partial counts).
+WIDE = {"cols": ((8, 1024), P(None, "y")), "stack": ((2, 16, 256), P("x", None, None))}
 # Per-shard tiles: SQUARE and a stack of experts sharded along its stacking axis.
 TILED = {**SQUARE, "experts": ((4, 8, 8), P("y", None, "x"))}
 
@@ -105,6 +110,7 @@ EXPLICIT_CASES = (
   "skip_update_sgd_element",
   "periodic_mask_sparse_state_nm_compact",
   "sharded_tiles_sparse_adam",  # with periodic_mask's tile sums: _compat.reshape
+  "periodic_mask_adam_magma",  # masked block sums: runs split an unsharded axis
 )
 
 
@@ -132,6 +138,13 @@ def sparse_transforms():
         every=2,
       ),
       FLAT,
+    ),
+    # adam_magma's block sums over the existing entries (one variadic reduction).
+    "periodic_mask_adam_magma": (
+      magma.periodic_mask(
+        magma.adam_magma(0.1, key=8, granularity="row"), sparsity=0.5, every=2
+      ),
+      WIDE,
     ),
   }
   if "block" in inspect.signature(magma.periodic_mask).parameters:
