@@ -139,9 +139,9 @@ class BlockLayout:
     reductions (4 bytes per entry and input, in fresh pages on every step), and a
     reduction of several outputs takes the selection in. Where the last axis of
     ``expanded_shape`` lies within a block, it is summed first in runs of
-    :data:`SUM_RUN` entries where they divide it (XLA:CPU emits such a reduction as a sequential
-    loop; short runs bound its rounding), then ``jnp.sum`` sums the runs' sums.
-    ``xs`` and the sums have ``xs[0]``'s dtype.
+    :data:`SUM_RUN` entries where they divide it (XLA:CPU emits such a reduction
+    as a sequential loop; short runs bound its rounding), then ``jnp.sum`` sums
+    the runs' sums. ``xs`` and the sums have ``xs[0]``'s dtype.
     """
     zero = jnp.zeros((), xs[0].dtype)
     ops = [self._expand(jnp.where(where, x, zero)) for x in xs]
@@ -155,7 +155,9 @@ class BlockLayout:
       and not (spec is not None and spec[-1])  # a split then moves no data
     )
     if runs:
-      ops = [_compat.reshape(x, (*shape[:-1], shape[-1] // SUM_RUN, SUM_RUN)) for x in ops]
+      ops = [
+        _compat.reshape(x, (*shape[:-1], shape[-1] // SUM_RUN, SUM_RUN)) for x in ops
+      ]
       first = (last + 1,)
     else:
       first = (last,) if last in axes else axes

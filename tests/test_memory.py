@@ -159,7 +159,9 @@ def _old_partial_sums(layout, mu, grad, param_mask=None):
 
 
 @pytest.mark.parametrize("granularity", ["tensor", "row"])
-def test_masked_adam_magma_step_writes_only_moments_and_params(granularity, monkeypatch):
+def test_masked_adam_magma_step_writes_only_moments_and_params(
+  granularity, monkeypatch
+):
   # With a param_mask the block sums leave the pruned entries out. XLA:CPU wrote
   # where(mask, m, 0) and where(mask, g, 0) out before its reductions: two
   # leaf-sized temporaries per leaf, in fresh pages every step (6.2-6.5x
