@@ -16,8 +16,9 @@ One short run on a machine with a GPU (about a minute after compilation):
 4. sparse training (issue 4) on this device: ``periodic_mask``'s exact top-k on a
    large leaf against numpy, and the cost of one refresh at ``every=100`` timed
    step by step as in ``benchmarks/sparse_state.py`` (donated buffers), with the
-   ordinary step of ``periodic_mask`` and of ``sparse_state`` skip / compact
-   storage against ``optax.adam``;
+   ordinary step of ``periodic_mask``, of ``sparse_state`` skip / compact
+   storage and of ``adam_magma`` with and without a ``param_mask`` against
+   ``optax.adam``;
 5. the tile kernel of compact tile storage (``kernels/pallas_tiles.py``, each GPU
    backend) against its XLA reference (a gather of the active tiles) at density 0.3
    with empty slots, tiles (8, 128) and (1, 128), and alone against that reference
@@ -369,9 +370,10 @@ def check_top_k(shape=(1024, 1024)) -> bool:
 def sparse_training(
   width: int, layers: int, rounds: int, steps: int, pallas: bool = True
 ) -> None:
-  """Refresh cost at every=100 and ordinary steps, donated, on this device; and
+  """Refresh cost at every=100 and ordinary steps, donated, on this device;
   ``sparse_adam`` (skip storage; tile storage at density 0.3 with the XLA path, also
-  with ``on_error="record"``, and, if ``pallas``, the tile kernel)."""
+  with ``on_error="record"``, and, if ``pallas``, the tile kernel); and
+  ``adam_magma`` with and without a ``param_mask``."""
   params = sparse_state.make_params(width, layers)
   grads = jax.tree.map(lambda x: jnp.full_like(x, 0.01), params)
   adam = optax.adam(1e-3)
@@ -419,6 +421,14 @@ def sparse_training(
     )[0],
     "sparse_adam skip, density 0.5": sparse_state.timer(
       magma.sparse_adam(1e-3), params, grads, steps, mask, donate=True
+    )[0],
+    # Magma under pruning: block sums over the existing entries (one variadic
+    # reduction on every backend), against the same step without a mask.
+    "adam_magma [xla]": sparse_state.timer(
+      magma.adam_magma(1e-3, key=0), params, grads, steps, donate=True
+    )[0],
+    "adam_magma [xla], param_mask 0.5": sparse_state.timer(
+      magma.adam_magma(1e-3, key=0), params, grads, steps, mask, donate=True
     )[0],
     **tile_runners,
   }
