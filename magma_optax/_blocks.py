@@ -142,6 +142,15 @@ class BlockLayout:
     :data:`SUM_RUN` entries where they divide it (XLA:CPU emits such a reduction
     as a sequential loop; short runs bound its rounding), then ``jnp.sum`` sums
     the runs' sums. ``xs`` and the sums have ``xs[0]``'s dtype.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import magma_optax as magma
+      >>> layout = magma.block_layout((2, 3), "row")
+      >>> x = jnp.array([[1.0, 2.0, jnp.inf], [4.0, 5.0, 6.0]])
+      >>> keep = jnp.array([[True, True, False], [False, True, True]])
+      >>> [s.tolist() for s in layout.masked_block_sums([x, x * x], keep)]
+      [[3.0, 11.0], [5.0, 61.0]]
     """
     zero = jnp.zeros((), xs[0].dtype)
     ops = [self._expand(jnp.where(where, x, zero)) for x in xs]
