@@ -23,18 +23,19 @@ Prints two tables:
 
 ``--tiles`` prints only table 0: every storage at ``--density`` (element, N:M 2:4
 and ``--blocks`` tile masks) against dense ``optax.adam`` on ``--layers`` square
-``--width`` leaves: state bytes, the median (range) over rounds of the per-round
-step-time ratio, the step's temporary bytes (``memory_analysis``), and a model of
-the bytes each step moves per parameter (float32, donated, density d): dense Adam
-28 (read p, g, mu, nu; write p, mu, nu); skip 29 (+ the mask); flat compact
-17 + 24 d (mask, index build, gather of g, moments of the active entries, a zero
-update with the entries scattered into it, ``p + u``), + 4 d with the cached index
-(read instead of built, ``cache_index=True``, the default); N:M 29; tiles 9 + 24 d
-(the mask, read once for the tile check, g and the moments of the active tiles, the
-compact update, ``p + u`` with the expansion fused; ``sparse_adam``, the same
+``--width`` leaves: state bytes, the median over rounds of the per-round step-time
+ratio with a 95% confidence interval for it (order statistics, see
+:func:`median_ci`) and the range, the step's temporary bytes (``memory_analysis``),
+and a model of the bytes each step moves per parameter (float32, donated, density
+d): dense Adam 28 (read p, g, mu, nu; write p, mu, nu); skip 29 (+ the mask); flat
+compact 17 + 24 d (mask, index build, gather of g, moments of the active entries, a
+zero update with the entries scattered into it, ``p + u``), + 4 d with the cached
+index (read instead of built, ``cache_index=True``, the default); N:M 29; tiles 9 +
+24 d (the mask, read once for the tile check, g and the moments of the active tiles,
+the compact update, ``p + u`` with the expansion fused; ``sparse_adam``, the same
 storage with its Adam step fused over the active tiles, the same model); and,
-outside optax's update/apply split, the tile step that scatter-adds into the
-donated parameters, 1 + 28 d. The model ratio is the model over 28. Rows marked
+outside optax's update/apply split, the tile step that scatter-adds into the donated
+parameters, 1 + 28 d. The model ratio is the model over 28. Rows marked
 ``on_error='record'`` compile no host callback for the mask checks (the default
 ``"raise"`` does, and XLA:CPU then runs every step synchronously).
 
@@ -196,6 +197,31 @@ def interleaved(runners: dict, repeats: int) -> dict:
     for k in order:
       times[k].append(runners[k]())
   return times
+
+
+def median_ci(xs, level: float = 0.95) -> tuple[float, float]:
+  """A distribution-free confidence interval for the median of ``xs``.
+
+  The order statistics ``x_(j) <= x_(n+1-j)`` with the largest ``j`` whose coverage
+  ``1 - 2 P(Binomial(n, 1/2) < j)`` is still ``>= level``: the interval holds the
+  median of the distribution the rounds are drawn from with at least that
+  probability, whatever its shape (rounds independent). Needs ``n >= 6`` for 95%
+  (then it is the range); ``(nan, nan)`` below that.
+
+  >>> median_ci([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+  (1.0, 6.0)
+  >>> median_ci(range(25))  # x_(8), x_(18) of 25: coverage 0.957
+  (7, 17)
+  """
+  xs = sorted(xs)
+  n = len(xs)
+  below = lambda j: sum(math.comb(n, i) for i in range(j)) / 2**n  # P(B < j)
+  j = 0
+  while j + 1 <= n // 2 and 1 - 2 * below(j + 1) >= level:
+    j += 1
+  if j == 0:
+    return math.nan, math.nan
+  return xs[j - 1], xs[n - j]
 
 
 def paired_ratio(times: dict, a, b) -> float:
@@ -423,15 +449,17 @@ def table_tiles(args):
     f" {statistics.median(times[ref]) * 1e3:.2f} ms per step (median)"
   )
   print(
-    "\n| storage | state bytes | step time: median (range) | model B/param |"
-    " model ratio | temp MB |"
+    "\n| storage | state bytes | step time: median [95% CI] (range) | model"
+    " B/param | model ratio | temp MB |"
   )
   print("|---|---|---|---|---|---|")
   for name in runners:
     ratios = [x / y for x, y in zip(times[name], times[ref], strict=True)]
+    lo, hi = median_ci(ratios)
     print(
       f"| {name} | {bytes_[name] / bytes_[ref]:.3f}"
-      f" | {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+      f" | {statistics.median(ratios):.2f} [{lo:.2f}, {hi:.2f}]"
+      f" ({min(ratios):.2f}-{max(ratios):.2f})"
       f" | {model[name]:.1f} | {model[name] / 28:.2f}"
       f" | {runners[name].temp_bytes / 2**20:.1f} |"
     )

@@ -1,0 +1,60 @@
+"""The confidence interval that benchmarks/sparse_state.py prints for median ratios.
+
+Imported by path (``benchmarks/`` is not a package). Checked against what it claims:
+coverage of a known median over many simulated benchmarks, whatever the
+distribution, and no interval at all where too few rounds cannot give one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import pathlib
+
+import numpy as np
+import pytest
+
+_PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "sparse_state.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+  spec = importlib.util.spec_from_file_location("sparse_state_benchmark", _PATH)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.mark.parametrize("n", [6, 9, 15, 25])
+@pytest.mark.parametrize("dist", ["exponential", "lognormal_skewed"])
+def test_median_ci_covers_the_true_median(bench, n, dist):
+  rng = np.random.default_rng(n)
+  trials = 4000
+  if dist == "exponential":  # median ln 2
+    draws, median = rng.exponential(1.0, (trials, n)), math.log(2.0)
+  else:  # median exp(0) = 1
+    draws, median = rng.lognormal(0.0, 1.5, (trials, n)), 1.0
+  hits, widths = 0, []
+  for xs in draws:
+    lo, hi = bench.median_ci(xs.tolist())
+    hits += lo <= median <= hi
+    widths.append(hi - lo)
+  coverage = hits / trials
+  # The exact coverage is >= 0.95 (0.969 at n=6, 0.961 at 9, 0.965 at 15, 0.957
+  # at 25); 4000 trials: standard error <= 0.0035, so 0.95 - 3 se.
+  assert coverage >= 0.94, coverage
+  # Not trivially wide: from 15 rounds on, narrower than the range on average.
+  if n >= 15:
+    ranges = draws.max(axis=1) - draws.min(axis=1)
+    assert np.mean(widths) < 0.8 * np.mean(ranges)
+
+
+def test_median_ci_is_the_range_at_six_and_nothing_below(bench):
+  assert bench.median_ci([3.0, 1.0, 2.0, 6.0, 5.0, 4.0]) == (1.0, 6.0)
+  lo, hi = bench.median_ci([1.0, 2.0, 3.0, 4.0, 5.0])
+  assert math.isnan(lo) and math.isnan(hi)
+  # 25 rounds: x_(8) and x_(18), coverage 1 - 2 P(B(25, 1/2) <= 7) = 0.957, while
+  # x_(9), x_(17) would cover 0.892.
+  assert bench.median_ci(list(range(25))) == (7, 17)
+  # 90%: 5 rounds suffice (coverage 1 - 2/32 = 0.9375).
+  assert bench.median_ci([5.0, 1.0, 4.0, 2.0, 3.0], level=0.9) == (1.0, 5.0)
