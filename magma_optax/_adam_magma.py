@@ -22,8 +22,11 @@ Each step runs in two halves (:func:`kernels.start_masked_adam`, then
 :func:`kernels.finish_masked_adam`): first every leaf's block sums, then -- only
 where a block's float32 sums are not finite, in one branch for the whole tree --
 those blocks recomputed rescaled (``_alignment.settle_sums``), then the scores and
-the scaled updates. So the cosines are exact for every block of finite entries, as
-in ``magma(optax.adam)``.
+the scaled updates. A carried ``||m_t||^2`` that cancels (m_t nearly zero next to
+``b1 m_{t-1}`` and ``(1 - b1) g``; :func:`kernels.carried_sums`) is NaN too, and
+summed directly the same way; blocks of fewer than ``kernels.api.DIRECT_BELOW``
+(16) entries, where that is frequent, sum it directly every step. So the cosines
+are exact for every block of finite entries, as in ``magma(optax.adam)``.
 
 Extra arg ``param_mask`` (a pytree of bools like the params, ``None`` leaves allowed):
 entries where it is False do not exist -- their moments are frozen, their update is 0
@@ -148,7 +151,8 @@ def adam_magma(
   Same updates as ``magma.magma(optax.adam(lr, b1, b2, eps, eps_root), tau=tau,
   keep_prob=keep_prob, key=key, ...)`` (``optax.adamw(..., weight_decay=wd)`` when
   ``weight_decay`` is nonzero) for the same key. Cost: Adam's passes plus two
-  block reductions (<m_t, g>, ||g||^2); ||m_t||^2 is carried. On a 2-core CPU that
+  block reductions (<m_t, g>, ||g||^2); ||m_t||^2 is carried (summed directly in
+  blocks of fewer than 16 entries, or where the carry cancels). On a 2-core CPU that
   measured 1.45-1.7x ``optax.adam`` (``benchmarks/RESULTS.md``). Leaves out of
   ``where`` take the plain Adam(W) update.
 
@@ -301,7 +305,8 @@ def adam_magma(
         )
       )
     # ... the blocks whose float32 sums are not finite (an overflow, or a carry
-    # lost to one) recomputed exactly, in one branch for the whole tree ...
+    # lost to one or to cancellation) recomputed exactly, in one branch for the
+    # whole tree ...
     pending, sums, norms = _settle(pending, b1)
     # ... then the scores, and the second half: the scaled updates.
     out, new_mu, new_nu, new_scores, new_norms = [], [], [], [], []
@@ -356,7 +361,8 @@ def _settle(pending: list[Any], b1: float) -> tuple[list[Any], list[Any], list[A
   A float32 sum that overflows (entries beyond about ``1e19 / sqrt(block size)``)
   also leaves the carry ``||m||^2`` inf or NaN, and ``kernels.carried_sums`` (or
   ``derived_sums``, from ``||m_{t-1}||^2``) NaN from then on: those blocks are
-  recomputed from ``m_t`` and ``g`` too, as ``magma(adam)`` sums them. The XLA
+  recomputed from ``m_t`` and ``g`` too, as ``magma(adam)`` sums them; so are
+  blocks whose derived ``||m_t||^2`` cancelled (NaN as well). The XLA
   path has ``m_t`` already, and passes it through the branch (the step returns
   it); the Pallas path computes it there from ``m_{t-1}``, once per reduction, and
   passes ``m_{t-1}`` through (the kernel overwrites its donated buffer later).
@@ -406,6 +412,4 @@ def _settle(pending: list[Any], b1: float) -> tuple[list[Any], list[Any], list[A
 def _moment(b1: float, mu: jax.Array, grad: jax.Array) -> jax.Array:
   """``m_t = (1 - b1) g + b1 m_{t-1}`` in ``mu``'s dtype, from inputs of its own
   (a barrier's outputs), so that each reduction computes it in its own pass."""
-  mu, grad = jax.lax.optimization_barrier((mu, grad))
-  m = (1 - b1) * grad.astype(jnp.float32) + b1 * mu.astype(jnp.float32)
-  return m.astype(mu.dtype)
+  return kernels.api.next_moment(b1, *jax.lax.optimization_barrier((mu, grad)))

@@ -173,6 +173,95 @@ def test_carried_and_derived_sums_equal_direct():
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+def _cancelling_inputs(shape=(2, 32), d=1e-4, seed=4):
+  """Row 0: g = -(b1 / (1 - b1) + d) m_{t-1}, so m_t = -(1 - b1) d m_{t-1} nearly
+  cancels, parallel to g (cosine -1... +1 exactly); row 1: random."""
+  k = jax.random.split(jax.random.key(seed), 2)
+  m = jax.random.normal(k[0], shape)
+  g = jax.random.normal(k[1], shape)
+  g = g.at[0].set(-(B1 / (1 - B1) + d) * m[0])
+  return g, m
+
+
+def _direct_sums64(m, g):
+  """float64 row sums of m_t as the step stores it (float32) with g."""
+  new_m = np.asarray((1 - B1) * g + B1 * m, np.float64)
+  g = np.asarray(g, np.float64)
+  return (new_m * g).sum(-1), (new_m * new_m).sum(-1), (g * g).sum(-1)
+
+
+def test_derived_and_carried_sums_mark_cancelled_blocks_nan():
+  shape = (2, 32)
+  layout = _blocks.block_layout(shape, "row")
+  g, m = _cancelling_inputs(shape)
+  dot64, mm64, gg64 = _direct_sums64(m, g)
+  new_m = (B1 * m + (1 - B1) * g).astype(jnp.float32)
+  derived = api.derived_sums(layout, m, g, B1)
+  carried = api.carried_sums(layout, new_m, g, layout.block_sum(m * m), B1)
+  for dot, mm, gg in (derived, carried):
+    # The cancelled block is NaN ("sum it directly"), not a wrong value...
+    assert np.isnan(mm[0]), mm
+    # ... the other is the direct sum's value.
+    np.testing.assert_allclose(mm[1], mm64[1], rtol=1e-5)
+    np.testing.assert_allclose(gg, gg64, rtol=1e-5)
+    np.testing.assert_allclose(dot[1], dot64[1], rtol=1e-5)
+  # Without the check the derived value would be far off: the test can fail.
+  naive = (
+    B1 * B1 * float(jnp.sum(m[0] ** 2))
+    + 2 * B1 * (1 - B1) * float(jnp.sum(m[0] * g[0]))
+    + (1 - B1) ** 2 * float(jnp.sum(g[0] ** 2))
+  )
+  assert abs(naive - mm64[0]) > 0.1 * mm64[0]
+  # All-zero blocks are exact zeros, not NaN.
+  z = jnp.zeros(shape)
+  for _, mm, _ in (
+    api.derived_sums(layout, z, z, B1),
+    api.carried_sums(layout, z, z, jnp.zeros(2), B1),
+  ):
+    np.testing.assert_array_equal(mm, 0.0)
+
+
+@pytest.mark.parametrize(
+  "implementation, interpret", [("xla", False), ("pallas", True)]
+)
+def test_scale_callable_sees_direct_sums_where_the_recursion_cancels(
+  implementation, interpret
+):
+  shape = (2, 32)
+  layout = _blocks.block_layout(shape, "row")
+  g, m = _cancelling_inputs(shape)
+  v = jnp.full(shape, 0.01)
+  dot64, mm64, gg64 = _direct_sums64(m, g)
+  seen = {}
+
+  def scale(dot, mm, gg):  # records the sums the step computed (under jit)
+    jax.debug.callback(lambda *s: seen.setdefault("sums", s), dot, mm, gg)
+    return jax.nn.sigmoid(dot / jnp.sqrt(mm * gg))
+
+  kw = dict(count=2, learning_rate=1e-3, layout=layout, scale=scale)
+  if implementation == "pallas":
+    kw["block_sizes"] = kernels.BlockSizes(2, 32)
+
+  @jax.jit
+  def step(g, m, v, prev):
+    if implementation == "xla":  # the carried path
+      kw["mu_sq_norm_prev"] = prev
+    return kernels.masked_adam(
+      g, m, v, implementation=implementation, interpret=interpret, **kw
+    ).update
+
+  jax.block_until_ready(step(g, m, v, layout.block_sum(m * m)))
+  dot, mm, gg = (np.asarray(x, np.float64) for x in seen["sums"])
+  # Row 0's m_t is itself ill-conditioned in float32 (relative rounding ~5e-3 at
+  # d = 1e-4: XLA and the kernel may contract the EMA differently), so its sum
+  # agrees to 2e-2; the recursion alone is off by more than 10% there (above).
+  np.testing.assert_allclose(mm[0], mm64[0], rtol=2e-2)
+  np.testing.assert_allclose(mm[1], mm64[1], rtol=1e-5)
+  cos = dot / np.sqrt(mm * gg)
+  np.testing.assert_allclose(cos, dot64 / np.sqrt(mm64 * gg64), atol=2e-3)
+  assert abs(cos[0] - 1.0) < 2e-3  # m_t nearly parallel to g in the cancelled row
+
+
 def test_explicit_pallas_off_accelerator_fails_with_reason():
   if jax.default_backend() != "cpu":
     pytest.skip("checks the CPU message")
