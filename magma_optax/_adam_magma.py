@@ -28,9 +28,11 @@ summed directly the same way; blocks of fewer than ``kernels.api.DIRECT_BELOW``
 (16) entries, where that is frequent, sum it directly every step. So the cosines
 are exact for every block of finite entries, as in ``magma(optax.adam)``.
 
-Extra arg ``param_mask`` (a pytree of bools like the params, ``None`` leaves allowed):
-entries where it is False do not exist -- their moments are frozen, their update is 0
-and they are left out of the cosine -- the convention of ``magma.periodic_mask``.
+Extra arg ``param_mask`` (a pytree of bools like the params, each leaf of its
+parameter's shape -- another shape is a ``ValueError``, not a broadcast -- ``None``
+leaves allowed): entries where it is False do not exist -- their moments are frozen,
+their update is 0 and they are left out of the cosine -- the convention of
+``magma.periodic_mask``.
 """
 
 from __future__ import annotations
@@ -150,7 +152,9 @@ def adam_magma(
 
   Same updates as ``magma.magma(optax.adam(lr, b1, b2, eps, eps_root), tau=tau,
   keep_prob=keep_prob, key=key, ...)`` (``optax.adamw(..., weight_decay=wd)`` when
-  ``weight_decay`` is nonzero) for the same key. Cost: Adam's passes plus two
+  ``weight_decay`` is nonzero) for the same key, without ``param_mask`` (the
+  wrapper passes no ``param_mask`` to ``optax.adam``: it updates every entry).
+  Cost: Adam's passes plus two
   block reductions (<m_t, g>, ||g||^2); ||m_t||^2 is carried (summed directly in
   blocks of fewer than 16 entries, or where the carry cancels). On a 2-core CPU that
   measured 1.45-1.7x ``optax.adam`` (``benchmarks/RESULTS.md``). Leaves out of
@@ -275,7 +279,7 @@ def adam_magma(
     if param_mask is None:
       pms = [None] * len(grads)
     else:
-      pms = _trees.split_param_mask(treedef, param_mask)
+      pms = _trees.split_param_mask_like(treedef, param_mask, grads)
     blank = [optax.MaskedNode()] * len(grads)
     old_scores = treedef.flatten_up_to(mask_state.scores) if plans else blank
     old_norms = treedef.flatten_up_to(state.mu_sq_norm) if plans else blank

@@ -104,7 +104,7 @@ def masked_weight_decay(
       coef = jnp.asarray(strength, jnp.float32) * frac
     flat_u, treedef = jax.tree.flatten(updates)
     flat_p = treedef.flatten_up_to(params)
-    flat_m = _trees.split_param_mask(treedef, param_mask)
+    flat_m = _trees.split_param_mask_like(treedef, param_mask, flat_u)
     out = []
     for u, p, m in zip(flat_u, flat_p, flat_m, strict=True):
       if m is None or isinstance(m, optax.MaskedNode):

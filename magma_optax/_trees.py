@@ -12,7 +12,8 @@ storage of a base optimizer's moments, host offload -- finds them here:
 * :func:`map_like` -- rebuilds every maximal parameter-like subtree of a state from
   a function of (parameter index, entry);
 * :func:`split_param_mask` -- the other direction: a full-tree extra argument such as
-  ``param_mask`` restricted to one group's tree.
+  ``param_mask`` restricted to one group's tree (:func:`split_param_mask_like`:
+  and each mask checked to have its parameter's shape);
 
 A node is parameter-like when it has the parameters' tree structure, except that
 ``MaskedNode`` may stand for any subtree, and it holds at least one non-``MaskedNode``
@@ -184,6 +185,34 @@ def split_param_mask(treedef: Any, param_mask: Any) -> list[Any]:
     return treedef.flatten_up_to(group)
   except (ValueError, TypeError) as e:
     raise ValueError(f"param_mask must be a pytree like the params; {e}") from None
+
+
+def split_param_mask_like(
+  treedef: Any, param_mask: Any, leaves: list[Any]
+) -> list[Any]:
+  """:func:`split_param_mask`, each mask checked against its leaf and made bool.
+
+  A mask leaf (not ``None`` or ``optax.MaskedNode``) must have its parameter's
+  shape: broadcasting one would silently mask other entries, or grow the update
+  and the state. Masks of any dtype are read as truth values.
+
+  Raises:
+    ValueError: naming the leaf, if a mask's shape is not its parameter's.
+  """
+  masks = split_param_mask(treedef, param_mask)
+  out = []
+  for i, (m, x) in enumerate(zip(masks, leaves, strict=True)):
+    if m is None or is_masked(m):
+      out.append(m)
+      continue
+    m = jnp.asarray(m)
+    if m.shape != jnp.shape(x):
+      raise ValueError(
+        f"param_mask leaf {i} has shape {m.shape}; its parameter has"
+        f" {jnp.shape(x)} (a mask is not broadcast)."
+      )
+    out.append(m.astype(jnp.bool_))
+  return out
 
 
 def run_if(pred: jax.Array, fn: Callable[[Any], Any], operand: Any) -> Any:

@@ -81,3 +81,12 @@ def test_missing_mask_raises():
   tx = magma.masked_weight_decay(0.1, ramp_steps=0)
   with pytest.raises(ValueError, match="param_mask"):
     tx.update(params, tx.init(params), params)
+
+
+@pytest.mark.parametrize("mask_shape", [(1, 3), (3, 1), (1,)])
+def test_mask_of_another_shape_raises_not_broadcast(mask_shape):
+  params = {"w": jnp.ones((3,))} if mask_shape != (3, 1) else {"w": jnp.ones((3, 3))}
+  tx = magma.masked_weight_decay(0.1, ramp_steps=0)
+  mask = {"w": jnp.ones(mask_shape, bool)}
+  with pytest.raises(ValueError, match="param_mask leaf 0 has shape"):
+    tx.update(params, tx.init(params), params, param_mask=mask)

@@ -297,3 +297,19 @@ def test_complex_parameters_are_a_clear_error_not_a_real_update():
   s = state.mask_state.scores["w"]
   np.testing.assert_allclose(u["w"], s * want["w"], rtol=1e-6)
   assert np.any(np.imag(u["w"]) != 0)
+
+
+@pytest.mark.parametrize(
+  "param_shape, mask_shape", [((8,), (1, 8)), ((4, 8), (8,)), ((8,), (4, 8))]
+)
+def test_param_mask_of_another_shape_raises_not_broadcast(param_shape, mask_shape):
+  # Broadcast, a (1, 8) mask grew the update and the moments to (1, 8), and an (8,)
+  # mask on a (4, 8) leaf masked every row alike, without an error.
+  p = {"w": jnp.ones(param_shape)}
+  tx = magma.adam_magma(1e-2, implementation="xla")
+  mask = {"w": jnp.ones(mask_shape, bool)}
+  with pytest.raises(ValueError, match=r"param_mask leaf 0 has shape"):
+    tx.update(p, tx.init(p), p, param_mask=mask)
+  # The right shape, in any dtype, is read as truth values.
+  u, _ = tx.update(p, tx.init(p), p, param_mask={"w": jnp.zeros(param_shape)})
+  np.testing.assert_array_equal(u["w"], 0.0)
