@@ -91,30 +91,43 @@ class PeriodicMaskState(NamedTuple):
 
 
 def reset_moments(
-  inner_state: Any, reset: list[Any], treedef: Any, names: tuple[str, ...]
+  inner_state: Any,
+  reset: list[Any],
+  treedef: Any,
+  names: tuple[str, ...],
+  initial: Any = None,
 ) -> Any:
-  """Zeroes the entries ``reset[i]`` (bool, leaf-shaped, or None) of named moments.
+  """Restarts the entries ``reset[i]`` (bool, leaf-shaped, or None) of named moments.
 
   Fields called one of ``names`` are found with ``optax.tree_utils``; a field is
   changed only where its tree is like ``treedef`` (:func:`magma_optax._trees.
   split_like`: ``MaskedNode`` leaves and subtrees allowed), and there only in the
-  entries that have the shape of ``reset[i]``.
+  entries that have the shape of ``reset[i]``. They take the value of the same field
+  in ``initial`` (the inner transform's initial state: zero for Adam's moments,
+  ``initial_scale`` for RMSProp's ``nu``), or zero where ``initial`` is ``None``.
   """
+  starts = {}
+  if initial is not None:
+    for name in names:
+      starts.update(optax.tree_utils.tree_get_all_with_path(initial, name))
 
-  def zero_regrown(i, m):
+  def restart(i, m, start=None):
     r = reset[i]
     if r is None or not hasattr(m, "shape") or m.shape != r.shape:
       return m
-    return jnp.where(r, jnp.zeros([], m.dtype), m)
+    if start is None or jnp.shape(start) != m.shape:
+      start = jnp.zeros([], m.dtype)
+    return jnp.where(r, jnp.asarray(start, m.dtype), m)
 
   for name in names:
     for path, value in optax.tree_utils.tree_get_all_with_path(inner_state, name):
       if _trees.split_like(value, treedef) is None:
         continue
+      more = () if path not in starts else (starts[path],)
       inner_state = optax.tree_utils.tree_set(
         inner_state,
         lambda p, v, target=path: p == target,
-        **{name: _trees.map_like(zero_regrown, value, treedef)},
+        **{name: _trees.map_like(restart, value, treedef, *more)},
       )
   return inner_state
 
@@ -197,7 +210,13 @@ def periodic_mask(
     ranking: ``"per_leaf"`` (every leaf reaches the target) or ``"global"`` (one
       top-k over all scoped entries; leaves end up with different sparsities).
     axis: the axis along which N:M groups are formed (default: the last).
-    moment_names: names of the inner state's per-entry moments to reset on regrowth.
+    moment_names: names of the inner state's per-entry moments to reset on
+      regrowth, to the inner's initial state (``inner.init(params)``: zero for
+      Adam's ``mu`` and ``nu``). Fields not named keep their stale values for
+      regrown entries; name every per-entry field of your optimizer, e.g. ``("mu",
+      "nu", "nu_max")`` for AMSGrad, ``("sum_of_squares",)`` for Adagrad.
+      (Compact storage of :func:`sparse_state` restarts all of its stored
+      entries' state on its own.)
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with a :class:`PeriodicMaskState`;
@@ -532,7 +551,7 @@ def periodic_mask(
       # regrew (rare with the default |W|*|g|: pruned weights score 0).
       inner_state = _trees.run_if(
         num > 0,
-        lambda s: reset_moments(s, regrown, treedef, moment_names),
+        lambda s: reset_moments(s, regrown, treedef, moment_names, inner.init(params)),
         inner_state,
       )
       # No scoped entry (only zero-size leaves): nothing is pruned.

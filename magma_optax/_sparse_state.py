@@ -59,14 +59,20 @@ transform). Per scoped leaf, one of two storages is used:
   count out beyond what each leaf must take, a traced target, whether an entry
   mask happens to be whole tiles, balance over shard parts the mask does not have.
   When the mask changes, moments of entries that stay active move to their new slot
-  and newly active entries start from zero (so, under ``periodic_mask``, ``compact``
-  equals ``skip`` numerically for element-wise bases such as Adam, RMSProp, SGD with
-  momentum). The stored-entry set is kept twice: as a packed bit mask (1 bit per
-  entry), which shows cheaply whether the mask changed, and as the int32 indices of
-  the stored entries, so that the index of the active entries -- a pass over every
-  entry that costs several Adam steps on XLA:CPU -- is rebuilt only on the steps
-  where the mask changes (``periodic_mask``'s refreshes). The state is ``capacity *
-  (per-entry base state + 4) + size / 8`` bytes.
+  and newly active entries start from the base's initial state (zero for Adam's
+  moments, 0.1 for Adagrad's sum of squares; as ``init`` builds it, for zero
+  parameters: use skip storage for a base whose initial state depends on the
+  parameters' values, such as schedule-free's ``z``). So, under ``periodic_mask``,
+  ``compact`` equals ``skip`` numerically for element-wise bases whose per-entry
+  state fields are all in ``periodic_mask``'s ``moment_names`` (it restarts those in
+  skip storage; the default ``("mu", "nu", "trace")`` covers Adam, RMSProp, SGD with
+  momentum; give, e.g., ``("mu", "nu", "nu_max")`` for AMSGrad,
+  ``("sum_of_squares",)`` for Adagrad). The stored-entry set is kept twice: as a
+  packed bit mask (1 bit per entry), which shows cheaply whether the mask changed,
+  and as the int32 indices of the stored entries, so that the index of the active
+  entries -- a pass over every entry that costs several Adam steps on XLA:CPU -- is
+  rebuilt only on the steps where the mask changes (``periodic_mask``'s refreshes).
+  The state is ``capacity * (per-entry base state + 4) + size / 8`` bytes.
 * **compact, N:M** (``structure=(n, m)``, ``m <= 32``): the same, group by group:
   every ``m`` consecutive entries along ``axis`` keep ``n`` slots, so the stored
   leaf has the parameter's shape with ``axis`` shrunk by ``n / m``, plus ``m`` bits
@@ -87,7 +93,7 @@ transform). Per scoped leaf, one of two storages is used:
   parameter-sized temporary on every backend). Every step also checks, in one pass
   over the mask, that it is made of whole tiles: a mask that is not is an error
   (raised as capacity overflows are), not silently rounded to tiles. Regrown tiles
-  start from zero moments.
+  start from the base's initial state.
 
 Each storage is a small class behind one interface (``_Storage``: ``init_leaf``,
 ``stored_shape``, ``prepare``, ``remap``, ``gather``, ``freeze``, ``scatter``, and
@@ -118,9 +124,9 @@ transferred at all. Placement is static in a compiled function, so the step reco
 when the placement changes -- call the helper every few hundred steps, not every step.
 Where the backend has no host memory kinds (or this JAX lacks ``jax.memory``) the
 helper returns the state unchanged and offload behaves exactly like skip.
-With ``block=(r, c)`` and ``density``, offload mode keeps compact tile storage and
-the same per-leaf counter: inactive tiles hold no moments in compact storage
-(regrown tiles start from zero), so what moves to host memory is the tile buffer of
+With ``block=(r, c)`` and ``density``, offload mode keeps compact tile storage and the
+same per-leaf counter: inactive tiles hold no moments in compact storage (regrown tiles
+start from the base's initial state), so what moves to host memory is the tile buffer of
 a leaf that has had no active tile for ``offload_after`` steps; it is remapped and
 updated on the device when tiles regrow (numerically the same as ``"compact"``).
 
@@ -653,8 +659,8 @@ class _Storage:
      (``rebuilds``; it returns the new ``ctx`` and the count that
      ``rebuilt_check`` checks against the capacity; until then ``prepare``
      returned the cached one), then ``remap(ctx, x, bits)`` on each of the leaf's
-     base-state entries: moves it to the new slots (regrown entries start from
-     zero);
+     base-state entries: moves it to the new slots (``remap_fresh``: regrown
+     entries start from the base's initial state);
   3. ``load(x, active)``: brings a host-resident entry to the device (offload);
   4. ``gather(ctx, x)``: leaf-shaped gradient or parameter -> stored shape;
   5. the base's update on the stored tree, with ``stored_mask(ctx, mask)``;
@@ -701,6 +707,12 @@ class _Storage:
   def remap(self, ctx, x, bits):
     del ctx, bits
     return x
+
+  def remap_fresh(self, ctx, x, bits, fresh, kept):
+    """``remap``, with the slots that ``kept`` marks as new set to ``fresh`` (the
+    base's initial state of the stored shape) instead of zero."""
+    fresh = _compat.put_like(fresh.astype(x.dtype), x)
+    return jnp.where(kept, self.remap(ctx, x, bits), fresh)
 
   def load(self, x, active):
     del active
@@ -1179,12 +1191,14 @@ class _HostTiles:
   load = _Offload.load
   unload = _Offload.unload
 
-  def remap(self, ctx, x, bits):
+  def remap_fresh(self, ctx, x, bits, fresh, kept):
     # Runs before `load` (and only when some stored set changed): a host-resident
     # buffer is remapped on the device and put back.
     if not _on_host(x):
-      return super().remap(ctx, x, bits)
-    moved = super().remap(ctx, jax.device_put(x, _SPACE.Device), bits)
+      return super().remap_fresh(ctx, x, bits, fresh, kept)
+    moved = super().remap_fresh(
+      ctx, jax.device_put(x, _SPACE.Device), bits, fresh, kept
+    )
     return jax.device_put(moved, _SPACE.Host)
 
 
@@ -1265,6 +1279,13 @@ class _Grouped(_Storage):
   def scatter(self, ctx, mask, u):
     del mask
     return self.groups.expand(u, ctx)
+
+
+def _placed(storage: _Storage, x: jax.Array, param: jax.Array) -> jax.Array:
+  """``x`` of the storage's stored shape, sharded like its stored state: per-shard
+  tile storage follows the parameter (eager ``zeros_like`` and new arrays would
+  drop an Explicit sharding); other storages leave it as it is."""
+  return storage.place(x, param) if isinstance(storage, _ShardedTiles) else x
 
 
 def sparse_state(
@@ -1794,13 +1815,14 @@ def _transformation(
     ]
     base_state = base.init(treedef.unflatten(stored))
 
-    def place(i, x):  # eager zeros_like drops an Explicit sharding: put it back
-      s = storages[i]
-      return s.place(x, flat[i]) if isinstance(s, _ShardedTiles) else x
-
     if any(isinstance(s, _ShardedTiles) for s in storages):
       shapes = [s.stored_shape for s in storages]
-      base_state = _trees.map_like(place, base_state, treedef, shapes=shapes)
+      base_state = _trees.map_like(
+        lambda i, x: _placed(storages[i], x, flat[i]),
+        base_state,
+        treedef,
+        shapes=shapes,
+      )
     return SparseState(
       base_state=base_state,
       stored_bits=treedef.unflatten(
@@ -1895,6 +1917,29 @@ def _transformation(
     # rebuilt (`rebuild`), then every entry of the base state is remapped.
     entries = [[] for _ in storages]
     per_entry(lambda i, x: entries[i].append(x), base_state)
+    # What a newly stored entry starts from: the base's initial state, as `init`
+    # built it (zero for Adam's moments, 0.1 for Adagrad's sum of squares).
+    fresh = [[] for _ in storages]
+    if any(c is not None for c in changed):
+      stored0 = [s.init_leaf(x) for s, x in zip(storages, flat_g, strict=True)]
+      initial = base.init(treedef.unflatten(stored0))
+      per_entry(
+        lambda i, x: fresh[i].append(_placed(storages[i], x, flat_g[i])), initial
+      )
+
+    def remapped(i, now, xs, old_bits):
+      # Entries stored before move to their new slots; new ones take `fresh`.
+      s = storages[i]
+      if not xs:
+        return []
+      # Sharded like the state (a loop's carry and a select's cases must be).
+      ones = _placed(s, jnp.ones(s.stored_shape, jnp.int8), flat_g[i])
+      kept = s.remap(now, _compat.put_like(ones, xs[0]), old_bits) != 0
+      return [
+        s.remap_fresh(now, x, old_bits, f, kept)
+        for x, f in zip(xs, fresh[i], strict=True)
+      ]
+
     for i, s in enumerate(storages):
       if changed[i] is None:
         continue
@@ -1904,7 +1949,7 @@ def _transformation(
         # rewrites it in place instead of copying it first.
         old, n, xs, packed = carry
         if not s.rebuilds:
-          return old, n, [s.remap(ctx[i], x, bits[i]) for x in xs], packed
+          return old, n, remapped(i, ctx[i], xs, bits[i]), packed
         if not record:
           now, n = s.rebuild(masks[i])
         else:
@@ -1912,7 +1957,7 @@ def _transformation(
           # they were (the remap then moves every entry to its own slot).
           now, n = s.rebuild(masks[i], bits[i][0])
           packed = jnp.where(s.rebuilt_check(n).bad, packed, new_bits[i][0])
-        return now, n, [s.remap(now, x, (bits[i][0], old)) for x in xs], packed
+        return now, n, remapped(i, now, xs, (bits[i][0], old)), packed
 
       # Unchanged: the cached ctx (its count was checked when it was built).
       packed = bits[i][0] if record and s.rebuilds else None

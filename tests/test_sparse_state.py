@@ -75,16 +75,24 @@ def mode_runs():
   """periodic_mask(sparse_state(base, mode)) for every mode, with regrowth."""
   shapes = [(8, 8), (2, 2, 4, 4)]
   runs = {}
-  for base_name, make_base in [
-    ("adam", lambda: optax.adam(LR)),
-    ("sgdm", lambda: optax.sgd(LR, momentum=0.9)),
+  for base_name, make_base, names in [
+    ("adam", lambda: optax.adam(LR), ("mu", "nu")),
+    ("sgdm", lambda: optax.sgd(LR, momentum=0.9), ("trace",)),
+    # States that do not start from zero: regrown entries restart from the
+    # base's initial state in both storages (Adagrad's 0.1, RMSProp's 1.0).
+    ("adagrad", lambda: optax.adagrad(LR), ("sum_of_squares",)),
+    ("rmsprop", lambda: optax.rmsprop(LR, initial_scale=1.0), ("nu",)),
   ]:
     for mode in ["skip", "compact"]:
       inner = magma.sparse_state(
         make_base(), mode=mode, density=0.25 if mode == "compact" else None
       )
       tx = magma.periodic_mask(
-        inner, sparsity=0.75, every=2, importance=lambda p, g: jnp.abs(g)
+        inner,
+        sparsity=0.75,
+        every=2,
+        importance=lambda p, g: jnp.abs(g),
+        moment_names=names,
       )
       params = tree(2, shapes)
       state = tx.init(params)
@@ -99,7 +107,7 @@ def mode_runs():
   return runs
 
 
-@pytest.mark.parametrize("base_name", ["adam", "sgdm"])
+@pytest.mark.parametrize("base_name", ["adam", "sgdm", "adagrad", "rmsprop"])
 def test_compact_equals_skip(mode_runs, base_name):
   skip_hist, _, _, regrown = mode_runs[base_name, "skip"]
   compact_hist, state, step, _ = mode_runs[base_name, "compact"]
@@ -108,6 +116,49 @@ def test_compact_equals_skip(mode_runs, base_name):
     for k in a:
       np.testing.assert_allclose(np.asarray(a[k]), np.asarray(b[k]), atol=1e-6)
   assert step._cache_size() == 1
+
+
+@pytest.mark.parametrize(
+  "storage",
+  [
+    dict(mode="compact", density=0.25),
+    dict(mode="compact", structure=(1, 4)),
+    dict(mode="compact", density=0.5, block=(1, 4)),
+    dict(mode="offload", density=0.5, block=(1, 4)),
+  ],
+  ids=["flat", "n:m", "tiles", "offload-tiles"],
+)
+@pytest.mark.parametrize(
+  "make_base",
+  [lambda: optax.adagrad(1.0), lambda: optax.yogi(1.0), lambda: optax.adam(1.0)],
+  ids=["adagrad", "yogi", "adam"],
+)
+def test_compact_entries_start_from_the_base_initial_state(storage, make_base):
+  # A fixed mask (nothing regrows): the first step stores its entries anew, and
+  # they must start from the base's init (Adagrad's 0.1, Yogi's 1e-6), as the
+  # plain base and skip storage do. They started from 0: Adagrad's first update
+  # was -1.0 instead of -0.30.
+  params = {"w": jnp.asarray(np.random.default_rng(0).normal(size=(4, 8)), jnp.float32)}
+  if "block" in storage:
+    mask = np.zeros((4, 8), bool)
+    mask[:2, :4] = True  # two of the eight 1x4 tiles
+  else:
+    mask = np.arange(32).reshape(4, 8) % 4 == 0  # 1 in every 4 along rows
+  g = {"w": jnp.full((4, 8), 0.1)}
+  base = make_base()
+  want, _ = base.update(g, base.init(params), params)
+  for kw in (storage, dict(mode="skip")):
+    tx = magma.sparse_state(make_base(), **kw)
+    state = tx.init(params)
+    for step in range(2):
+      u, state = tx.update(g, state, params, param_mask={"w": jnp.asarray(mask)})
+      if step == 0:
+        np.testing.assert_allclose(u["w"][mask], want["w"][mask], rtol=1e-6)
+        np.testing.assert_array_equal(u["w"][~mask], 0.0)
+    if kw is storage:
+      got2 = u
+    else:
+      np.testing.assert_allclose(got2["w"], u["w"], rtol=1e-6)
 
 
 def test_compact_storage_shapes(mode_runs):
