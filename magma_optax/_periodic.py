@@ -175,7 +175,9 @@ def periodic_mask(
       ``None`` (it is ``1 - n / m``).
     every: refresh period T >= 1 in steps.
     importance: ``"magnitude_grad"`` (``|W| |g|``), ``"magnitude"`` (``|W|``) or a
-      callable ``(param, grad) -> scores`` of the parameter's shape (higher = keep).
+      callable ``(param, grad) -> scores`` of the parameter's shape (higher = keep;
+      under ``optax.inject_hyperparams`` list a callable in ``static_args``, as
+      ``where``: it calls every callable argument as a schedule of the count).
     structure: ``(n, m)`` with 1 <= n <= m for N:M sparsity along ``axis``;
       ``None`` for unstructured top-k.
     block: ``(r, c)`` to prune whole ``r x c`` tiles over the last two axes: a
@@ -248,7 +250,8 @@ def periodic_mask(
   # arguments, defaults included, into arrays, hence the hint.
   hint = (
     " (With optax.inject_hyperparams, pass static_args=('every', 'start', 'end',"
-    " 'axis').)"
+    " 'axis'), plus 'importance' and 'where' where those are callables: it takes"
+    " any callable argument for a schedule.)"
   )
   if isinstance(every, bool) or not isinstance(every, int) or every < 1:
     raise ValueError(f"every must be an int >= 1; got {every!r}.{hint}")

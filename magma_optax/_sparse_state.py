@@ -177,6 +177,7 @@ divide the parts) is a
 from __future__ import annotations
 
 import math
+import numbers
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -1633,11 +1634,19 @@ def _planner(
     if density is not None:
       raise ValueError("give density or structure, not both.")
   if density is not None and not (
-    isinstance(density, int | float)
+    isinstance(density, numbers.Real)  # Python or numpy scalars
     and not isinstance(density, bool)
-    and 0.0 < density <= 1.0
+    and 0.0 < float(density) <= 1.0
   ):
-    raise ValueError(f"density must be a float in (0, 1]; got {density!r}.")
+    hint = ""
+    if isinstance(density, jax.Array):
+      hint = (
+        " It sizes the compact buffers, so it must be a Python number: with"
+        " optax.inject_hyperparams, pass static_args=('density',)."
+      )
+    raise ValueError(f"density must be a float in (0, 1]; got {density!r}.{hint}")
+  if density is not None:
+    density = float(density)
   if block is not None:
     block = _topk.validate_block(block)
     if mode == "skip" or density is None or structure is not None:
@@ -1647,6 +1656,12 @@ def _planner(
         f" structure; got"
         f" mode={mode!r}, density={density!r}, structure={structure!r}."
       )
+  if mode == "skip" and (density is not None or structure is not None):
+    raise ValueError(
+      f"density= and structure= size compact storage; mode='skip' keeps every"
+      f" entry's state and takes neither (got density={density!r},"
+      f" structure={structure!r}). Use mode='compact' to store active entries only."
+    )
   shards = _topk.validate_shards(shards, block, "sparse_state")
   if mode == "compact" and density is None and structure is None:
     raise ValueError(
@@ -1770,7 +1785,10 @@ def _no_mask(i: int, storage: _Storage) -> str:
   return (
     f"leaf {i} ({storage.name}) uses compact storage but param_mask has no mask"
     " for it; pass param_mask= (periodic_mask does) or scope the leaf out with"
-    " `where`."
+    " `where`. Inside periodic_mask, a wrapper in between may have dropped the"
+    " extra argument: a plain optax.GradientTransformation takes none (e.g."
+    " optax.MultiSteps(...).gradient_transformation(); put MultiSteps outside"
+    " periodic_mask instead)."
   )
 
 

@@ -416,6 +416,12 @@ def test_compact_needs_a_mask():
   tx = magma.sparse_state(optax.adam(LR), mode="compact", density=0.25)
   with pytest.raises(ValueError, match="param_mask"):
     tx.update(params, tx.init(params), params)
+  # A wrapper that drops extra arguments between periodic_mask and the storage:
+  # the message names the likely cause (the user did use periodic_mask).
+  inner = optax.MultiSteps(tx, every_k_schedule=2).gradient_transformation()
+  outer = magma.periodic_mask(inner, sparsity=0.75, every=1)
+  with pytest.raises(ValueError, match="outside periodic_mask"):
+    outer.update(params, outer.init(params), params)
 
 
 def test_unscoped_leaves_are_plain_dense():
@@ -497,6 +503,11 @@ def test_offload_helper_is_noop_without_offload_state():
     (dict(mode="skip", block=(2, 4)), "needs mode='compact'"),
     (dict(mode="offload", block=(2, 4)), "density"),
     (dict(mode="compact", structure=(2, 4), block=(2, 4)), "without structure"),
+    # Skip storage keeps every entry: a density or structure was silently ignored.
+    (dict(mode="skip", density=0.25), "mode='skip' keeps every"),
+    (dict(mode="skip", structure=(2, 4)), "mode='skip' keeps every"),
+    # A traced density (optax.inject_hyperparams) says how to keep it static.
+    (dict(mode="compact", density=jnp.asarray(0.25)), "static_args=\\('density',\\)"),
   ],
 )
 def test_bad_arguments_raise(kwargs, match):
@@ -1097,3 +1108,17 @@ def test_capacity_overflow_on_several_devices_is_an_error_not_an_abort():
   assert run.returncode == 0, run.stderr[-3000:]
   assert "raised on every device" in run.stdout
   assert "recorded without a mesh context" in run.stdout
+
+
+def test_numpy_scalar_density_is_a_float():
+  params = {"w": jnp.ones((4, 8))}
+  mask = {"w": jnp.arange(32).reshape(4, 8) % 4 == 0}
+  outs = []
+  for density in (0.25, np.float32(0.25), np.float64(0.25)):
+    tx = magma.sparse_state(optax.adam(LR), mode="compact", density=density)
+    state = tx.init(params)
+    u, state = tx.update(params, state, params, param_mask=mask)
+    outs.append(u["w"])
+    assert jax.tree.leaves(state.base_state)[1].shape == (8,)  # ceil(0.25 * 32)
+  for u in outs[1:]:
+    np.testing.assert_array_equal(u, outs[0])
