@@ -141,7 +141,8 @@ class BlockLayout:
     ``expanded_shape`` lies within a block, it is summed first in runs of
     :data:`SUM_RUN` entries where they divide it (XLA:CPU emits such a reduction
     as a sequential loop; short runs bound its rounding), then ``jnp.sum`` sums
-    the runs' sums. ``xs`` and the sums have ``xs[0]``'s dtype.
+    the runs' sums. ``xs`` (at least one, of one dtype and the leaf's shape) and
+    the sums have that dtype.
 
     Example:
       >>> import jax.numpy as jnp
@@ -152,6 +153,16 @@ class BlockLayout:
       >>> [s.tolist() for s in layout.masked_block_sums([x, x * x], keep)]
       [[3.0, 11.0], [5.0, 61.0]]
     """
+    if not xs:
+      raise ValueError("masked_block_sums needs at least one array to sum.")
+    dtypes = {jnp.result_type(x) for x in xs}
+    shapes = {jnp.shape(x) for x in xs}
+    if len(dtypes) > 1 or shapes != {tuple(self.shape)}:
+      raise ValueError(
+        f"masked_block_sums sums arrays of one dtype and the layout's shape"
+        f" {tuple(self.shape)}; got dtypes {sorted(map(str, dtypes))} and shapes"
+        f" {sorted(shapes)}."
+      )
     zero = jnp.zeros((), xs[0].dtype)
     ops = [self._expand(jnp.where(where, x, zero)) for x in xs]
     axes, shape = self.reduce_axes, self.expanded_shape

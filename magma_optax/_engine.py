@@ -97,6 +97,11 @@ def as_key(key: KeyLike) -> jax.Array:
   else:
     try:
       key_array = jnp.asarray(key)
+    except OverflowError:
+      raise ValueError(
+        f"key={key!r} does not fit in an int32 (jax's default integer width); pass"
+        " an int in [-2**31, 2**31) or a typed key from jax.random.key."
+      ) from None
     except TypeError:
       key_array = jnp.zeros([], jnp.float32)
   if jnp.issubdtype(key_array.dtype, jnp.integer) and key_array.ndim == 0:

@@ -121,3 +121,17 @@ def test_masked_block_sums_under_jit_vmap_and_grad():
   )
   grad = jax.grad(lambda x: jax.vmap(f)(x, keep).sum())(x)
   np.testing.assert_allclose(grad, jnp.where(keep, 2 + 2 * x, 0), rtol=1e-6)
+
+
+def test_masked_block_sums_bad_input_is_a_clear_error():
+  layout = magma.block_layout((2, 8), "row")
+  keep = jnp.ones((2, 8), bool)
+  x = jnp.ones((2, 8))
+  with pytest.raises(ValueError, match="at least one array"):
+    layout.masked_block_sums([], keep)
+  # Mixed dtypes: a raw lax error one way round, a silent upcast the other.
+  for xs in ([x.astype(jnp.bfloat16), x], [x, x.astype(jnp.bfloat16)]):
+    with pytest.raises(ValueError, match="one dtype"):
+      layout.masked_block_sums(xs, keep)
+  with pytest.raises(ValueError, match=r"layout's shape \(2, 8\)"):
+    layout.masked_block_sums([jnp.ones((8,))], keep)

@@ -414,6 +414,9 @@ def test_skip_update_bad_input():
     magma.skip_update(optax.adam(1e-3), rescale="yes")
   with pytest.raises(ValueError, match="key"):
     magma.skip_update(optax.adam(1e-3), key="seed")
+  # Beyond int32: a ValueError naming the key (was a bare OverflowError).
+  with pytest.raises(ValueError, match=r"key=1099511627776 does not fit in an int32"):
+    magma.skip_update(optax.adam(1e-3), key=2**40)
 
 
 @pytest.mark.parametrize(
