@@ -711,9 +711,8 @@ class _Storage:
 
   def remap_fresh(self, ctx, x, bits, fresh, kept):
     """``remap``, with the slots that ``kept`` marks as new set to ``fresh`` (the
-    base's initial state of the stored shape) instead of zero."""
-    fresh = _compat.put_like(fresh.astype(x.dtype), x)
-    return jnp.where(kept, self.remap(ctx, x, bits), fresh)
+    base's initial value of the entry, a scalar) instead of zero."""
+    return jnp.where(kept, self.remap(ctx, x, bits), fresh.astype(x.dtype))
 
   def load(self, x, active):
     del active
@@ -1280,6 +1279,16 @@ class _Grouped(_Storage):
   def scatter(self, ctx, mask, u):
     del mask
     return self.groups.expand(u, ctx)
+
+
+def _first(x: jax.Array) -> jax.Array:
+  """The value of a uniform array as a scalar (0 for an empty one); over Explicit
+  mesh axes, where a slice of a sharded axis is not allowed, its maximum."""
+  if not x.size:
+    return jnp.zeros((), x.dtype)
+  if _compat.explicit_spec(x) is not None:
+    return jnp.max(x)
+  return x.reshape(-1)[0]
 
 
 def _placed(storage: _Storage, x: jax.Array, param: jax.Array) -> jax.Array:
@@ -1937,12 +1946,15 @@ def _transformation(
     per_entry(lambda i, x: entries[i].append(x), base_state)
     # What a newly stored entry starts from: the base's initial state, as `init`
     # built it (zero for Adam's moments, 0.1 for Adagrad's sum of squares).
+    # One value per entry: `init` builds it from zero parameters, so an element-
+    # wise base's initial state is uniform; a scalar keeps the zero-step loops
+    # below from carrying (and ordinary steps from writing) stored-sized arrays.
     fresh = [[] for _ in storages]
     if any(c is not None for c in changed):
       stored0 = [s.init_leaf(x) for s, x in zip(storages, flat_g, strict=True)]
-      initial = base.init(treedef.unflatten(stored0))
       per_entry(
-        lambda i, x: fresh[i].append(_placed(storages[i], x, flat_g[i])), initial
+        lambda i, x: fresh[i].append(None if changed[i] is None else _first(x)),
+        base.init(treedef.unflatten(stored0)),
       )
 
     def remapped(i, now, xs, old_bits):
