@@ -1871,21 +1871,15 @@ def _transformation(
     if param_mask is None:
       masks = [None] * len(storages)
     else:
-      masks = _trees.split_param_mask(treedef, param_mask)
+      masks = _trees.split_param_mask_like(treedef, param_mask, flat)
     out = []
-    for i, (s, m, x) in enumerate(zip(storages, masks, flat, strict=True)):
+    for i, (s, m) in enumerate(zip(storages, masks, strict=True)):
       if m is None or _trees.is_masked(m) or not s.scoped:
         if s.needs_mask:
           raise ValueError(_no_mask(i, s))
         out.append(None)
         continue
-      m = jnp.asarray(m)
-      if m.shape != jnp.shape(x):
-        raise ValueError(
-          f"param_mask leaf {i} ({s.name}) has shape {m.shape}; the parameter has"
-          f" {jnp.shape(x)}."
-        )
-      out.append(m.astype(jnp.bool_))
+      out.append(m)
     return out
 
   def check_state(state, updates):

@@ -7,22 +7,16 @@ distribution, and no interval at all where too few rounds cannot give one.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import pathlib
 
+import _benchmarks
 import numpy as np
 import pytest
-
-_PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "sparse_state.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-  spec = importlib.util.spec_from_file_location("sparse_state_benchmark", _PATH)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return _benchmarks.load("sparse_state.py")
 
 
 @pytest.mark.parametrize("n", [6, 9, 15, 25])

@@ -8,23 +8,16 @@ rescaling, a wrong block layout or correlated block draws would show up here.
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
+import _benchmarks
 import numpy as np
 import pytest
 
 import magma_optax as magma
 
-_PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "quadratic.py"
-
 
 @pytest.fixture(scope="module")
 def quadratic():
-  spec = importlib.util.spec_from_file_location("quadratic_benchmark", _PATH)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return _benchmarks.load("quadratic.py")
 
 
 @pytest.mark.parametrize(
