@@ -2156,6 +2156,13 @@ def offload_sparse_state(opt_state: Any, params: Any) -> Any:
     # whole parameter tree.
     cold = _trees.split_like(node.cold, params_def)
     if cold is None:
+      if any(not _trees.is_masked(c) for c in jax.tree.leaves(node.cold)):
+        raise ValueError(
+          "offload_sparse_state: params do not have the tree structure of the"
+          " parameters this SparseState keeps (its per-leaf flags are"
+          f" {jax.tree.structure(node.cold)}, params are {params_def}); pass the"
+          " params the optimizer updates."
+        )
       return node
     cold = [None if _trees.is_masked(c) else bool(c) for c in cold]
 

@@ -476,6 +476,20 @@ def test_offload_placement_and_reactivation():
   assert isinstance(state.cold["a"], jax.Array)
 
 
+def test_offload_helper_rejects_params_of_another_tree():
+  if not magma.host_offload_available():
+    pytest.skip("no host memory kinds here: the helper returns the state as it is")
+  params = {"w": jnp.ones(4), "b": jnp.ones(2)}
+  tx = magma.sparse_state(optax.adam(LR), mode="offload", offload_after=1)
+  state = tx.init(params)
+  mask = {"w": jnp.zeros(4, bool), "b": jnp.ones(2, bool)}
+  _, state = tx.update(params, state, params, param_mask=mask)
+  magma.offload_sparse_state(state, params)  # the right tree: fine
+  # Another tree moved nothing, silently.
+  with pytest.raises(ValueError, match="do not have the tree structure"):
+    magma.offload_sparse_state(state, {"x": jnp.ones(3)})
+
+
 def test_offload_helper_is_noop_without_offload_state():
   params = {"a": jnp.ones(4)}
   tx = magma.sparse_state(optax.adam(LR), mode="skip")
