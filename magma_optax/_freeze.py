@@ -116,6 +116,44 @@ def _elementwise_slice(jaxpr: Any, start: set, shape: tuple) -> set | None:
   return reach
 
 
+def _reads(jaxpr: Any, start: set) -> set:
+  """The vars of ``jaxpr`` whose values read (transitively) the vars ``start``:
+  ``jit`` calls are followed inside; any other primitive's outputs read all of its
+  inputs (so a value read through control flow counts, conservatively)."""
+  reach = set(start)
+  for eqn in jaxpr.eqns:
+    hit = [i for i, x in enumerate(eqn.invars) if _is_var(x) and x in reach]
+    if not hit:
+      continue
+    if eqn.primitive.name in _CALLS:
+      inner = eqn.params["jaxpr"].jaxpr
+      inner_reach = _reads(inner, {inner.invars[i] for i in hit})
+      reach.update(
+        o for o, x in zip(eqn.outvars, inner.outvars, strict=True)
+        if _is_var(x) and x in inner_reach
+      )  # fmt: skip
+    else:
+      reach.update(eqn.outvars)
+  return reach
+
+
+def reads_inputs(fn: Callable[..., Any], *args: Any) -> Any:
+  """Whether each output leaf of ``fn(*args)`` reads the *values* of ``args`` (not
+  only their shapes and dtypes): a tree of bools like ``fn``'s output, from the
+  dataflow of its jaxpr (nothing is computed).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from magma_optax import _freeze
+    >>> _freeze.reads_inputs(lambda x: (jnp.zeros_like(x), 2 * x), jnp.ones(3))
+    (False, True)
+  """
+  closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+  reach = _reads(closed.jaxpr, set(closed.jaxpr.invars))
+  flags = [_is_var(x) and x in reach for x in closed.jaxpr.outvars]
+  return jax.tree.unflatten(jax.tree.structure(shape), flags)
+
+
 def evaluate(
   fn: Callable[[], Any],
   targets_of: Callable[[Any], Mapping[int, Target]],

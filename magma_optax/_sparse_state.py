@@ -61,8 +61,9 @@ transform). Per scoped leaf, one of two storages is used:
   When the mask changes, moments of entries that stay active move to their new slot
   and newly active entries start from the base's initial state (zero for Adam's
   moments, 0.1 for Adagrad's sum of squares; as ``init`` builds it, for zero
-  parameters: use skip storage for a base whose initial state depends on the
-  parameters' values, such as schedule-free's ``z``). So, under ``periodic_mask``,
+  parameters: a base whose initial state reads the parameters' values, such as
+  schedule-free's ``z``, is a ``ValueError`` at ``init``, found in the dataflow of
+  its ``init``; use skip storage for it). So, under ``periodic_mask``,
   ``compact`` equals ``skip`` numerically for element-wise bases whose per-entry
   state fields are all in ``periodic_mask``'s ``moment_names`` (it restarts those in
   skip storage; the default ``("mu", "nu", "trace")`` covers Adam, RMSProp, SGD with
@@ -699,6 +700,7 @@ class _Storage:
   needs_mask = False  # the step cannot run without one
   rebuilds = False  # ctx cached in the bits, rebuilt only when the mask changed
   tracks_cold = False  # counts all-inactive steps (offload)
+  compact = False  # stores fewer entries: their initial state is init's for zeros
 
   def __init__(self, shape: tuple[int, ...], name: str):
     self.shape = tuple(shape)
@@ -812,6 +814,7 @@ class _Compact(_Storage):
 
   scoped = True
   needs_mask = True
+  compact = True
 
   def __init__(self, shape, name, capacity: int, limit: str, cache_index=True):
     super().__init__(shape, name)
@@ -924,6 +927,7 @@ class _Tiles(_Storage):
 
   scoped = True
   needs_mask = True
+  compact = True
 
   def __init__(self, shape, name, block: tuple[int, int], capacity: int, limit):
     super().__init__(shape, name)
@@ -1087,6 +1091,7 @@ class _ShardedTiles(_Storage):
 
   scoped = True
   needs_mask = True
+  compact = True
 
   def __init__(self, shape, name, block, parts, capacity: int, limit):
     super().__init__(shape, name)
@@ -1243,6 +1248,7 @@ class _Grouped(_Storage):
 
   scoped = True
   needs_mask = True
+  compact = True
 
   def __init__(self, shape, name, groups: _Groups):
     super().__init__(shape, name)
@@ -1358,6 +1364,9 @@ def sparse_state(
     base: an element-wise optimizer such as ``optax.adam(1e-3)``; it receives the
       other extra args, and ``param_mask`` restricted to what it stores.
     mode: ``"skip"``, ``"compact"`` or ``"offload"`` (see the module docstring).
+      Compact storage of a base whose initial state reads the parameters' values
+      (schedule-free's ``z``) is a ``ValueError`` at ``init``: it starts stored
+      entries from ``init``'s state for zero parameters.
     density: upper bound in (0, 1] on the fraction of active entries per leaf;
       sets the compact capacity ``ceil(density * size)``. Needed for ``"compact"``
       unless ``structure`` is given.
@@ -1832,6 +1841,40 @@ def _no_mask(i: int, storage: _Storage) -> str:
   )
 
 
+def _value_dependent_init(base, params, treedef, storages) -> str | None:
+  """Why compact storage cannot hold ``base``'s state, or ``None``: a per-entry
+  field of ``base.init(params)`` that reads the parameters' values (schedule-free's
+  ``z`` is a copy of them). Compact storage builds the state of the entries it
+  stores as ``init`` does for zero parameters, so those entries would start from
+  other values than the base's, silently."""
+  reads = _freeze.reads_inputs(base.init, params)
+  found = []
+
+  def visit(i, entry, reads_params):
+    if storages[i].compact and reads_params and storages[i].name not in found:
+      found.append(storages[i].name)
+    return entry
+
+  _trees.map_like(
+    visit,
+    jax.eval_shape(base.init, params),
+    treedef,
+    reads,
+    shapes=[s.shape for s in storages],
+  )
+  if not found:
+    return None
+  return (
+    "sparse_state compact storage: the base's initial state reads the parameters'"
+    f" values (per-entry fields of leaf {found[0]}"
+    f"{f' and {len(found) - 1} more' if len(found) > 1 else ''}; schedule-free's"
+    " `z`, for one, is a copy of the parameters), but compact storage starts the"
+    " entries it stores from the state `init` builds for zero parameters, so they"
+    " would start from other values. Use mode='skip' for this base (it keeps every"
+    " entry's state), or scope these leaves out with `where`."
+  )
+
+
 def _transformation(
   base, storages_of, offload_after, step, frozen=False, on_error="raise"
 ):
@@ -1861,6 +1904,10 @@ def _transformation(
         problem = _no_mask(i, s) if s.needs_mask else None
       if problem is not None:
         raise ValueError(f"{problem} Found at init, before any step: {bound.why}.")
+    if any(s.compact for s in storages):
+      problem = _value_dependent_init(base, params, treedef, storages)
+      if problem is not None:
+        raise ValueError(problem)
     stored = [s.init_leaf(x) for s, x in zip(storages, flat, strict=True)]
     for s, x in zip(storages, flat, strict=True):
       if isinstance(s, _ShardedTiles):  # the parts are the parameter's shards

@@ -161,6 +161,74 @@ def test_compact_entries_start_from_the_base_initial_state(storage, make_base):
       np.testing.assert_allclose(got2["w"], u["w"], rtol=1e-6)
 
 
+@pytest.mark.parametrize(
+  "storage",
+  [
+    dict(mode="compact", density=0.25),
+    dict(mode="compact", structure=(1, 4)),
+    dict(mode="compact", density=0.5, block=(1, 4)),
+    dict(mode="offload", density=0.5, block=(1, 4)),
+  ],
+  ids=["flat", "n:m", "tiles", "offload-tiles"],
+)
+def test_compact_storage_of_a_base_whose_init_reads_the_params_is_an_error(storage):
+  # Schedule-free's z is a copy of the parameters. Compact storage builds its
+  # entries' state from zero parameters, so z started at 0, silently; now init
+  # says so. Skip storage, and compact storage with the leaf scoped out, still run.
+  params = {"w": jnp.ones((4, 8)), "b": jnp.ones((3,))}
+  base = optax.contrib.schedule_free_adamw(1e-2)
+  with pytest.raises(ValueError, match=r"reads the parameters' values.*leaf \['w'\]"):
+    magma.sparse_state(base, where=lambda path, x: x.ndim == 2, **storage).init(params)
+  skip = magma.sparse_state(base)
+  state = skip.init(params)
+  np.testing.assert_array_equal(state.base_state.z["w"], params["w"])
+  scoped = magma.sparse_state(base, where=lambda path, x: False, **storage)
+  scoped.init(params)  # nothing stored compactly: nothing to start wrong
+
+
+@pytest.mark.parametrize(
+  "make_base",
+  [
+    lambda: optax.adam(1e-3),
+    lambda: optax.adamw(1e-3),
+    lambda: optax.adagrad(1e-2),
+    lambda: optax.rmsprop(1e-3, initial_scale=1.0),
+    lambda: optax.sgd(1e-2, momentum=0.9),
+    lambda: optax.lion(1e-3),
+    lambda: optax.amsgrad(1e-3),
+    lambda: optax.adan(1e-3),
+    lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-3),
+    lambda: optax.apply_if_finite(optax.adam(1e-3), 3),
+    lambda: magma.magma(optax.adam(1e-3), key=0),
+  ],
+  ids=[
+    "adam", "adamw", "adagrad", "rmsprop", "sgd-momentum", "lion", "amsgrad",
+    "adan", "inject", "apply_if_finite", "magma",
+  ],
+)  # fmt: skip
+def test_compact_storage_takes_bases_whose_init_reads_only_shapes(make_base):
+  # The check of the one above reads the jaxpr of init: zeros_like and full_like
+  # read shapes only, so ordinary bases (and wrappers of them) are not rejected.
+  params = {"w": jnp.ones((4, 8))}
+  tx = magma.sparse_state(make_base(), mode="compact", density=0.5)
+  jax.jit(tx.init)(params)
+
+
+def test_reads_inputs_follows_values_through_jit_calls():
+  from magma_optax import _freeze
+
+  x = jnp.ones(3)
+  inner = jax.jit(lambda x: (jnp.zeros_like(x), x + 1))
+  assert _freeze.reads_inputs(lambda x: inner(x), x) == (False, True)
+  assert _freeze.reads_inputs(lambda x: {"a": x * 0, "b": jnp.full_like(x, 2)}, x) == {
+    "a": True,  # a value read (x * 0 is NaN where x is)
+    "b": False,
+  }
+  # Control flow: its outputs read its inputs, conservatively.
+  branch = lambda x: jax.lax.cond(True, lambda y: jnp.zeros_like(y), lambda y: y, x)  # noqa: E731
+  assert _freeze.reads_inputs(branch, x) is True
+
+
 def test_compact_storage_shapes(mode_runs):
   _, state, _, _ = mode_runs["adam", "compact"]
   mu = state.inner_state.base_state[0].mu
