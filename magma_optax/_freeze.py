@@ -116,17 +116,28 @@ def _elementwise_slice(jaxpr: Any, start: set, shape: tuple) -> set | None:
   return reach
 
 
+# Calls whose inner jaxpr takes the equation's inputs one to one: followed inside.
+_CALL_JAXPRS = {
+  "jit": "jaxpr", "pjit": "jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr",
+  "remat2": "jaxpr",
+  "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
+  "custom_jvp_call": "call_jaxpr",
+}  # fmt: skip
+
+
 def _reads(jaxpr: Any, start: set) -> set:
   """The vars of ``jaxpr`` whose values read (transitively) the vars ``start``:
-  ``jit`` calls are followed inside; any other primitive's outputs read all of its
-  inputs (so a value read through control flow counts, conservatively)."""
+  calls (``jit``, ``checkpoint``, ``custom_jvp``) are followed inside; any other
+  primitive's outputs read all of its inputs (so a value read through control
+  flow counts, conservatively)."""
   reach = set(start)
   for eqn in jaxpr.eqns:
     hit = [i for i, x in enumerate(eqn.invars) if _is_var(x) and x in reach]
     if not hit:
       continue
-    if eqn.primitive.name in _CALLS:
-      inner = eqn.params["jaxpr"].jaxpr
+    inner = eqn.params.get(_CALL_JAXPRS.get(eqn.primitive.name, ""))
+    inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's, or a Jaxpr
+    if inner is not None and len(inner.invars) == len(eqn.invars):
       inner_reach = _reads(inner, {inner.invars[i] for i in hit})
       reach.update(
         o for o, x in zip(eqn.outvars, inner.outvars, strict=True)

@@ -1364,9 +1364,9 @@ def sparse_state(
     base: an element-wise optimizer such as ``optax.adam(1e-3)``; it receives the
       other extra args, and ``param_mask`` restricted to what it stores.
     mode: ``"skip"``, ``"compact"`` or ``"offload"`` (see the module docstring).
-      Compact storage of a base whose initial state reads the parameters' values
-      (schedule-free's ``z``) is a ``ValueError`` at ``init``: it starts stored
-      entries from ``init``'s state for zero parameters.
+      Compact storage of a base whose initial state reads the values of the
+      parameters it stores (schedule-free's ``z``) is a ``ValueError`` at
+      ``init``: it builds the base's state from zero parameters there.
     density: upper bound in (0, 1] on the fraction of active entries per leaf;
       sets the compact capacity ``ceil(density * size)``. Needed for ``"compact"``
       unless ``structure`` is given.
@@ -1842,36 +1842,37 @@ def _no_mask(i: int, storage: _Storage) -> str:
 
 
 def _value_dependent_init(base, params, treedef, storages) -> str | None:
-  """Why compact storage cannot hold ``base``'s state, or ``None``: a per-entry
-  field of ``base.init(params)`` that reads the parameters' values (schedule-free's
-  ``z`` is a copy of them). Compact storage builds the state of the entries it
-  stores as ``init`` does for zero parameters, so those entries would start from
-  other values than the base's, silently."""
-  reads = _freeze.reads_inputs(base.init, params)
-  found = []
+  """Why compact storage cannot hold ``base``'s state, or ``None``: a field of
+  ``base.init(params)`` that reads the values of the parameters stored compactly
+  (schedule-free's ``z`` is a copy of them; ``optax.flatten``'s state a vector of
+  them). Compact storage builds the base's state from zero parameters there, so
+  such a field would start from other values than the base's, silently."""
+  flat = treedef.flatten_up_to(params)
+  at = [i for i, s in enumerate(storages) if s.compact]
 
-  def visit(i, entry, reads_params):
-    if storages[i].compact and reads_params and storages[i].name not in found:
-      found.append(storages[i].name)
-    return entry
+  def init_of(compact):  # the other leaves are constants: their values may be read
+    leaves = list(flat)
+    for i, x in zip(at, compact, strict=True):
+      leaves[i] = x
+    return base.init(treedef.unflatten(leaves))
 
-  _trees.map_like(
-    visit,
-    jax.eval_shape(base.init, params),
-    treedef,
-    reads,
-    shapes=[s.shape for s in storages],
-  )
-  if not found:
+  reads = _freeze.reads_inputs(init_of, [flat[i] for i in at])
+  paths = [
+    jax.tree_util.keystr(path)
+    for path, r in jax.tree_util.tree_leaves_with_path(reads)
+    if r
+  ]
+  if not paths:
     return None
+  more = f" and {len(paths) - 1} more" if len(paths) > 1 else ""
+  names = ", ".join(storages[i].name for i in at[:3]) + (", ..." if len(at) > 3 else "")
   return (
-    "sparse_state compact storage: the base's initial state reads the parameters'"
-    f" values (per-entry fields of leaf {found[0]}"
-    f"{f' and {len(found) - 1} more' if len(found) > 1 else ''}; schedule-free's"
-    " `z`, for one, is a copy of the parameters), but compact storage starts the"
-    " entries it stores from the state `init` builds for zero parameters, so they"
-    " would start from other values. Use mode='skip' for this base (it keeps every"
-    " entry's state), or scope these leaves out with `where`."
+    "sparse_state compact storage: the base's initial state reads the values of"
+    f" the parameters it stores compactly ({names}): state field {paths[0]}{more}"
+    " (schedule-free's `z`, for one, is a copy of the parameters). Compact storage"
+    " builds the base's state from zero parameters there, so it would start from"
+    " other values. Use mode='skip' for this base (it keeps every entry's state),"
+    " or scope these leaves out with `where`."
   )
 
 

@@ -177,8 +177,14 @@ def test_compact_storage_of_a_base_whose_init_reads_the_params_is_an_error(stora
   # says so. Skip storage, and compact storage with the leaf scoped out, still run.
   params = {"w": jnp.ones((4, 8)), "b": jnp.ones((3,))}
   base = optax.contrib.schedule_free_adamw(1e-2)
-  with pytest.raises(ValueError, match=r"reads the parameters' values.*leaf \['w'\]"):
+  with pytest.raises(
+    ValueError, match=r"stores compactly \(\['w'\]\): state field \.z"
+  ):
     magma.sparse_state(base, where=lambda path, x: x.ndim == 2, **storage).init(params)
+  # The state need not be shaped like the parameters: optax.flatten's is one vector.
+  flat = optax.flatten(optax.contrib.schedule_free_adamw(1e-2))
+  with pytest.raises(ValueError, match="stores compactly"):
+    magma.sparse_state(flat, where=lambda path, x: x.ndim == 2, **storage).init(params)
   skip = magma.sparse_state(base)
   state = skip.init(params)
   np.testing.assert_array_equal(state.base_state.z["w"], params["w"])
@@ -224,6 +230,11 @@ def test_reads_inputs_follows_values_through_jit_calls():
     "a": True,  # a value read (x * 0 is NaN where x is)
     "b": False,
   }
+  # checkpoint and custom_jvp calls are followed too.
+  assert _freeze.reads_inputs(jax.checkpoint(jnp.zeros_like), x) is False
+  assert (
+    _freeze.reads_inputs(lambda x: jax.nn.relu(x) * 0 + jnp.ones_like(x), x) is True
+  )
   # Control flow: its outputs read its inputs, conservatively.
   branch = lambda x: jax.lax.cond(True, lambda y: jnp.zeros_like(y), lambda y: y, x)  # noqa: E731
   assert _freeze.reads_inputs(branch, x) is True
