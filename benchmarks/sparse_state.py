@@ -45,6 +45,10 @@ shows the best (minimum) time of ``--repeats`` rounds; table 2 the median over r
 of the ratios within each round (paired, which is steadier when the ratios are close
 to 1). ``--refresh-only`` skips table 1.
 
+``--transformer`` replaces the square leaves by a transformer's matrices (6 per layer:
+q, k, v, o of ``width x width``, an MLP of ``width x 4 width`` and back), many
+smaller leaves, where per-leaf costs show.
+
 ``--host-ms 3`` makes the timed loop sleep 3 ms before each step (``--tiles``): host
 work that a step dispatched asynchronously overlaps, and a step with a host callback
 (sparse storage's default ``on_error="raise"``), which XLA:CPU runs synchronously,
@@ -59,6 +63,8 @@ Usage::
     python3 benchmarks/sparse_state.py --refresh-only --repeats 11 --donate
     python3 benchmarks/sparse_state.py --tiles --donate --width 1024 --layers 4 \
       --steps 50 --repeats 9
+    python3 benchmarks/sparse_state.py --tiles --transformer --donate --width 256 \
+      --layers 12 --steps 20 --repeats 11
 """
 
 from __future__ import annotations
@@ -361,14 +367,36 @@ def direct_timer(params, grads, mask, density, block, steps, host_ms=0.0):
   return run
 
 
+def shape_of(args) -> str:
+  if args.transformer:
+    return f"{args.layers} transformer layers of width {args.width}, 6 matrices each"
+  return f"{args.layers} x {args.width}x{args.width}"
+
+
+def transformer_params(width: int, layers: int) -> dict:
+  """A transformer's matrices: per layer q, k, v, o (``width x width``) and an MLP
+  (``width x 4 width``, ``4 width x width``): 6 leaves per layer."""
+  shapes = {"q": (1, 1), "k": (1, 1), "v": (1, 1), "o": (1, 1), "up": (1, 4)}
+  shapes["down"] = (4, 1)
+  keys = iter(jax.random.split(jax.random.key(0), 6 * layers))
+  return {
+    f"l{i}_{name}": jax.random.normal(next(keys), (width * a, width * b)) / width**0.5
+    for i in range(layers)
+    for name, (a, b) in shapes.items()
+  }
+
+
 def table_tiles(args):
   """Table 0 (``--tiles``): every storage at one density against dense Adam, with
   the bytes-per-parameter model of each step (float32, see the module docstring)."""
   d = args.density
-  params = {
-    f"layer{i}": jax.random.normal(k, (args.width, args.width)) / args.width**0.5
-    for i, k in enumerate(jax.random.split(jax.random.key(0), args.layers))
-  }
+  if args.transformer:
+    params = transformer_params(args.width, args.layers)
+  else:
+    params = {
+      f"layer{i}": jax.random.normal(k, (args.width, args.width)) / args.width**0.5
+      for i, k in enumerate(jax.random.split(jax.random.key(0), args.layers))
+    }
   grads = jax.tree.map(lambda x: jnp.full_like(x, 0.01), params)
   n = sum(x.size for x in jax.tree.leaves(params))
   adam = optax.adam(1e-3)
@@ -469,8 +497,8 @@ def table_tiles(args):
   times = interleaved(runners, args.repeats)
   ref = "dense optax.adam"
   print(
-    f"\nAll storages at density {d}: {n:,} parameters ({args.layers} x"
-    f" {args.width}x{args.width}), {args.steps} steps x {args.repeats} rounds,"
+    f"\nAll storages at density {d}: {n:,} parameters ({shape_of(args)}),"
+    f" {args.steps} steps x {args.repeats} rounds,"
     f"{' donated,' if args.donate else ''}"
     f"{f' {args.host_ms:g} ms of host wait per step,' if args.host_ms else ''}"
     " dense Adam"
@@ -504,6 +532,11 @@ def main():
     "--tiles", action="store_true", help="only the table of all storages at --density"
   )
   ap.add_argument("--density", type=float, default=0.3)
+  ap.add_argument(
+    "--transformer",
+    action="store_true",
+    help="with --tiles, a transformer's matrices: 6 per layer (--width, --layers)",
+  )
   ap.add_argument(
     "--blocks",
     type=lambda v: [tuple(int(x) for x in b.split("x")) for b in v.split(",")],
