@@ -177,6 +177,7 @@ divide the parts) is a
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import zlib
@@ -2043,6 +2044,7 @@ def _transformation(
         for x, f in zip(xs, fresh[i], strict=True)
       ]
 
+    loops = []  # per leaf whose stored set may change: (i, refresh, carry)
     for i, s in enumerate(storages):
       if changed[i] is None:
         continue
@@ -2064,8 +2066,28 @@ def _transformation(
 
       # Unchanged: the cached ctx (its count was checked when it was built).
       packed = bits[i][0] if record and s.rebuilds else None
-      carry = (ctx[i], jnp.zeros([], jnp.int32), entries[i], packed)
-      ctx[i], n, entries[i], packed = _trees.run_if(changed[i], refresh, carry)
+      loops.append((i, refresh, (ctx[i], jnp.zeros([], jnp.int32), entries[i], packed)))
+
+    def refresh_each(carries):
+      return [
+        _trees.run_if(changed[i], refresh, carry)
+        for (i, refresh, _), carry in zip(loops, carries, strict=True)
+      ]
+
+    carries = [carry for _, _, carry in loops]
+    if len(loops) > 1:
+      # One loop around the leaves' loops: on ordinary steps one predicate to wait
+      # for, not one per leaf (XLA:CPU waits at each loop's condition).
+      carries = _trees.run_if(
+        functools.reduce(jnp.logical_or, [changed[i] for i, _, _ in loops]),
+        refresh_each,
+        carries,
+      )
+    else:
+      carries = refresh_each(carries)
+    for (i, _, _), (c, n, e, packed) in zip(loops, carries, strict=True):
+      s = storages[i]
+      ctx[i], entries[i] = c, e
       if s.rebuilds:
         new_bits[i] = (new_bits[i][0] if packed is None else packed, ctx[i])
         checks.append(s.rebuilt_check(n))
