@@ -118,7 +118,8 @@ def test_compact_equals_skip(mode_runs, base_name):
   assert step._cache_size() == 1
 
 
-@pytest.mark.parametrize(
+# Every compact storage of a (4, 8) leaf: flat, N:M, tiles, offloaded tiles.
+COMPACT_STORAGES = pytest.mark.parametrize(
   "storage",
   [
     dict(mode="compact", density=0.25),
@@ -128,6 +129,9 @@ def test_compact_equals_skip(mode_runs, base_name):
   ],
   ids=["flat", "n:m", "tiles", "offload-tiles"],
 )
+
+
+@COMPACT_STORAGES
 @pytest.mark.parametrize(
   "make_base",
   [lambda: optax.adagrad(1.0), lambda: optax.yogi(1.0), lambda: optax.adam(1.0)],
@@ -161,16 +165,7 @@ def test_compact_entries_start_from_the_base_initial_state(storage, make_base):
       np.testing.assert_allclose(got2["w"], u["w"], rtol=1e-6)
 
 
-@pytest.mark.parametrize(
-  "storage",
-  [
-    dict(mode="compact", density=0.25),
-    dict(mode="compact", structure=(1, 4)),
-    dict(mode="compact", density=0.5, block=(1, 4)),
-    dict(mode="offload", density=0.5, block=(1, 4)),
-  ],
-  ids=["flat", "n:m", "tiles", "offload-tiles"],
-)
+@COMPACT_STORAGES
 def test_compact_storage_of_a_base_whose_init_reads_the_params_is_an_error(storage):
   # Schedule-free's z is a copy of the parameters. Compact storage builds its
   # entries' state from zero parameters, so z started at 0, silently; now init
