@@ -228,3 +228,30 @@ def run_if(pred: jax.Array, fn: Callable[[Any], Any], operand: Any) -> Any:
   return jax.lax.while_loop(
     lambda c: c[0], lambda c: (jnp.asarray(False), fn(c[1])), (pred, operand)
   )[1]
+
+
+def same_shape_groups(arrays: Sequence[Any]) -> list[list[int]]:
+  """Indices of ``arrays`` grouped by shape, dtype and explicit sharding, in order."""
+  groups: dict[Any, list[int]] = {}
+  for i, x in enumerate(arrays):
+    key = (jnp.shape(x), jnp.result_type(x), _compat.explicit_spec(x))
+    groups.setdefault(key, []).append(i)
+  return list(groups.values())
+
+
+def map_stacked(fn: Callable[..., Any], *columns: Sequence[jax.Array]) -> list:
+  """``[fn(*row) for row in zip(*columns)]`` for same-shaped rows, compiled once.
+
+  Several rows are stacked and run through one ``lax.map``, so the program holds
+  ``fn``'s computation once instead of once per row. On XLA:CPU the host-side launch
+  of every step grows with the program's buffers, including those of loops that do
+  not run: a mask refresh repeated for each of a transformer's 72 leaves made every
+  ordinary step of ``periodic_mask(adam)`` launch in 1.3-2.0 ms instead of 0.09 ms
+  (``benchmarks/RESULTS.md``, "Many leaves"). ``fn`` returns a pytree of arrays.
+  """
+  rows = len(columns[0])
+  if rows == 1:
+    return [fn(*(c[0] for c in columns))]
+  stacked = [jnp.stack(list(c)) for c in columns]
+  out = jax.lax.map(lambda xs: fn(*xs), stacked)
+  return [jax.tree.map(lambda x, j=j: x[j], out) for j in range(rows)]

@@ -11,7 +11,8 @@ from algorithm1 import shard_parts
 
 import magma_optax as magma
 
-SHAPES = [(1,), (5,), (4, 5), (2, 9, 1), (2, 2, 4, 4)]
+# Repeated shapes: leaves of one shape are ranked by one computation over their stack.
+SHAPES = [(1,), (5,), (4, 5), (2, 9, 1), (2, 2, 4, 4), (4, 5), (5,), (4, 5)]
 # One sparsity per step, so a single compiled step covers all of them.
 TARGETS = np.array([0.0, 0.3, 0.5, 0.9, 0.25, 0.75, 0.1, 0.6], np.float32)
 
@@ -72,13 +73,16 @@ def per_leaf_run():
 def test_exact_sparsity_every_shape_every_step(per_leaf_run):
   records, _ = per_leaf_run
   for t, (params, grads, old_mask, state, _, new_params) in enumerate(records):
+    regrown = 0
     for name in params:
       p, g = np.asarray(params[name]), np.asarray(grads[name])
       score = np.abs(p).astype(np.float32) * np.abs(g).astype(np.float32)
       want = np_keep(score, np.asarray(old_mask[name]), TARGETS[t])
       np.testing.assert_array_equal(np.asarray(state.mask[name]), want)
+      regrown += int(np.sum(want & ~np.asarray(old_mask[name])))
       # Pruned weights are exactly zero after optax.apply_updates.
       assert np.all(np.asarray(new_params[name])[~want] == 0.0)
+    assert int(state.num_regrown) == regrown
     assert float(state.target_sparsity) == pytest.approx(TARGETS[t])
 
 
@@ -575,7 +579,8 @@ def np_untile(tiles, block):
 @pytest.mark.parametrize("ranking", ["per_leaf", "global"])
 def test_tile_masks_match_numpy(ranking):
   block = (2, 4)
-  shapes = [(4, 8), (3, 2, 12)]  # a stacked leaf: tiles over the last two axes
+  # A stacked leaf (tiles over the last two axes), and leaves of one tile grid.
+  shapes = [(4, 8), (3, 2, 12), (4, 8), (4, 8)]
   schedule = lambda count: jnp.asarray([0.5, 0.25, 0.75])[jnp.minimum(count // 2, 2)]
   tx = magma.periodic_mask(
     optax.sgd(0.1), sparsity=schedule, every=2, block=block, ranking=ranking
@@ -748,3 +753,16 @@ def test_shards_on_explicit_axes_are_checked_at_init_and_keep_the_masks_sharded(
   # Parts (2, 4, 4) of 8 tiles, 4 kept in each: 16 entries.
   per_part = np.asarray(state.mask["w"]).reshape(2, 2, 4, 2, 4).sum(axis=(0, 2, 4))
   np.testing.assert_array_equal(per_part, np.full((2, 2), 16))
+
+
+@pytest.mark.parametrize("block", [None, (2, 4)])
+def test_leaves_of_one_shape_share_one_refresh_computation(block):
+  # On XLA:CPU every step pays for each buffer of the program, refresh or not, so
+  # the refresh must not grow with the number of same-shaped leaves.
+  def loops(n):
+    params = {f"w{i}": jnp.ones((4, 8)) for i in range(n)}
+    tx = magma.periodic_mask(optax.adam(0.1), sparsity=0.5, every=3, block=block)
+    text = jax.jit(tx.update).lower(params, tx.init(params), params).as_text()
+    return text.count("stablehlo.while")
+
+  assert loops(8) == loops(2)
