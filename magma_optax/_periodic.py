@@ -90,6 +90,12 @@ class PeriodicMaskState(NamedTuple):
   inner_state: Any
 
 
+# At most this many parameters are ranked in one stack: their stacked scores and
+# old and new masks (at most 6 MB) are the refresh's only extra memory, and a leaf
+# this large costs far more than its share of a step's launch.
+_STACKED = 2**20
+
+
 def reset_moments(
   inner_state: Any,
   reset: list[Any],
@@ -468,11 +474,12 @@ def periodic_mask(
       return inner.init(params)
 
   def new_masks(plans, params, grads, old, target, parts):
-    """The refreshed masks, and the numbers of regrown and of kept scoped entries.
+    """The refreshed masks; the regrown and kept counts of the stacked leaves, and
+    the indices of the leaves ranked alone (counted by the caller).
 
     Whole leaves of one shape are ranked by one computation over their stack
-    (:func:`_trees.map_stacked`), not one per leaf: on XLA:CPU every step pays for
-    the refresh's buffers even when it does not run.
+    (:func:`_trees.map_stacked`), not one per leaf: on XLA:CPU every step's launch
+    grows with the program's buffers, those of a refresh that does not run included.
     """
     # Zero-size leaves have nothing to rank: their (empty) masks stay as they are.
     idx = [
@@ -481,75 +488,69 @@ def periodic_mask(
       if p.layout is not None and math.prod(p.layout.shape) > 0
     ]
     scores = {i: _importance.scores(importance, params[i], grads[i]) for i in idx}
-    if block is not None:  # rank tiles: their summed scores (summed leaf by leaf,
-      # so no parameter-sized score is kept), active if any entry is
+    active = {i: old[i] for i in idx}
+    if block is not None:  # rank tiles: their summed scores, active if any entry is
       scores = {i: _topk.tile_sum(scores[i], block) for i in idx}
-    out = list(old)
-    counts = []  # (regrown, kept) per leaf or per group of leaves
+      active = {i: _topk.tile_any(old[i], block) for i in idx}
 
-    def ranked(s, a, k):  # one leaf: its mask from scores and old mask
-      if block is not None:
-        a = _topk.tile_any(a, block)
+    def ranked(s, a, k):
       if structure is not None:
-        m = _topk.n_m_mask(s, a, *structure, axis)
-      else:
-        m = _top_k_mask(s, a, k)
-      return m if block is None else _topk.untile(m, block)
+        return _topk.n_m_mask(s, a, *structure, axis)
+      return _top_k_mask(s, a, k)
 
-    def counted(m, o):
-      return _count([m & ~o]), _count([m])
+    def stacked_row(s, o, k):  # one stacked leaf: its mask and counts
+      m = ranked(s, o if block is None else _topk.tile_any(o, block), k)
+      m = m if block is None else _topk.untile(m, block)
+      return m, _count([m & ~o]), _count([m])
 
+    out = list(old)
+    alone = []  # ranked alone, as tiles if block=: untiled and counted below
+    regrown = kept = jnp.zeros([], jnp.int32)
     if structure is not None or ranking == "per_leaf":
       # N:M groups never cross a leaf, so N:M leaves need no parts.
       whole = [i for i in idx if structure is not None or parts[i] is None]
-      for group in _trees.same_shape_groups([scores[i] for i in whole]):
+      for group in _trees.same_shape_groups([old[i] for i in whole], _STACKED):
         leaves = [whole[j] for j in group]
         k = _topk.num_keep(target, scores[leaves[0]].size)
-
-        def one(s, a, k=k):
-          m = ranked(s, a, k)
-          return (m, *counted(m, a))
-
+        if len(leaves) == 1:
+          out[leaves[0]] = ranked(scores[leaves[0]], active[leaves[0]], k)
+          alone.append(leaves[0])
+          continue
         rows = _trees.map_stacked(
-          one, [scores[i] for i in leaves], [old[i] for i in leaves]
+          functools.partial(stacked_row, k=k),
+          [scores[i] for i in leaves],
+          [old[i] for i in leaves],
         )
-        for i, (m, regrown, kept) in zip(leaves, rows, strict=True):
+        for i, (m, r, n) in zip(leaves, rows, strict=True):
           out[i] = m
-          counts.append((regrown, kept))
+          regrown, kept = regrown + r, kept + n
     if structure is None and ranking == "per_leaf":
       for i in idx:
         if parts[i] is None:
           continue
         # Balanced over the shards: one top-k per part of the tile grid.
         n = len(parts[i])
-        s, a = scores[i], old[i]
-        if block is not None:
-          a = _topk.tile_any(a, block)
-        s, a = (_topk.split_parts(x, parts[i]) for x in (s, a))
+        s, a = (_topk.split_parts(x, parts[i]) for x in (scores[i], active[i]))
         k = _topk.num_keep(target, math.prod(s.shape[n:]))
         # k is an argument, not a constant: under Explicit mesh axes like_auto
         # runs the top-k with them as Auto, and k must come in through it.
         per_part = _top_k_mask
         for _ in range(n):
           per_part = jax.vmap(per_part, (0, 0, None))
-        m = _topk.join_parts(_compat.like_auto(per_part, s, s, a, k), n)
-        out[i] = m if block is None else _topk.untile(m, block)
-        counts.append(counted(out[i], old[i]))
+        out[i] = _topk.join_parts(_compat.like_auto(per_part, s, s, a, k), n)
+        alone.append(i)
     elif structure is None and idx:
-      s = [scores[i] for i in idx]
-      a = [old[i] for i in idx]
-      if block is not None:
-        a = [_topk.tile_any(x, block) for x in a]
-      n = sum(x.size for x in s)
-      keep = _top_k_masks(s, a, _topk.num_keep(target, n))
+      n = sum(scores[i].size for i in idx)
+      keep = _top_k_masks(
+        [scores[i] for i in idx], [active[i] for i in idx], _topk.num_keep(target, n)
+      )
       for i, m in zip(idx, keep, strict=True):
-        out[i] = m if block is None else _topk.untile(m, block)
-        counts.append(counted(out[i], old[i]))
-    zero = jnp.zeros([], jnp.int32)
-    regrown = sum((c[0] for c in counts), zero)
-    kept = sum((c[1] for c in counts), zero)
-    # Unscoped leaves keep their masks (all True when scoped out), not counted.
-    return out, regrown, kept
+        out[i] = m
+      alone.extend(idx)
+    if block is not None:
+      for i in alone:
+        out[i] = _topk.untile(out[i], block)
+    return out, regrown, kept, alone
 
   def update_fn(updates, state, params=None, **extra_args):
     if params is None:
@@ -583,12 +584,15 @@ def periodic_mask(
     # nothing after it reads the old masks.
     def refresh(carry):
       old_masks, inner_state, _, _, _ = carry
-      masks, num, kept = new_masks(plans, param_leaves, grads, old_masks, target, parts)
-      kept = kept.astype(jnp.float32)
+      masks, num, kept, alone = new_masks(
+        plans, param_leaves, grads, old_masks, target, parts
+      )
       regrown = [
         None if p.layout is None else masks[i] & ~old_masks[i]
         for i, p in enumerate(plans)
       ]
+      num = num + _count([regrown[i] for i in alone])
+      kept = (kept + _count([masks[i] for i in alone])).astype(jnp.float32)
       # The reset reads and writes every moment, so it runs only when an entry
       # regrew (rare with the default |W|*|g|: pruned weights score 0).
       inner_state = _trees.run_if(

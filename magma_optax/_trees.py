@@ -36,6 +36,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -230,13 +231,17 @@ def run_if(pred: jax.Array, fn: Callable[[Any], Any], operand: Any) -> Any:
   )[1]
 
 
-def same_shape_groups(arrays: Sequence[Any]) -> list[list[int]]:
-  """Indices of ``arrays`` grouped by shape, dtype and explicit sharding, in order."""
-  groups: dict[Any, list[int]] = {}
+def same_shape_groups(arrays: Sequence[Any], max_size: int) -> list[list[int]]:
+  """Indices of ``arrays`` grouped by shape, dtype and explicit sharding, in order,
+  each group split so that it holds at most ``max_size`` entries (or one array)."""
+  groups: dict[Any, list[list[int]]] = {}
   for i, x in enumerate(arrays):
     key = (jnp.shape(x), jnp.result_type(x), _compat.explicit_spec(x))
-    groups.setdefault(key, []).append(i)
-  return list(groups.values())
+    chunks = groups.setdefault(key, [[]])
+    if chunks[-1] and (len(chunks[-1]) + 1) * math.prod(jnp.shape(x)) > max_size:
+      chunks.append([])
+    chunks[-1].append(i)
+  return [c for chunks in groups.values() for c in chunks]
 
 
 def map_stacked(fn: Callable[..., Any], *columns: Sequence[jax.Array]) -> list:

@@ -766,3 +766,11 @@ def test_leaves_of_one_shape_share_one_refresh_computation(block):
     return text.count("stablehlo.while")
 
   assert loops(8) == loops(2)
+
+
+def test_stacks_of_leaves_hold_at_most_the_cap():
+  from magma_optax import _trees
+
+  xs = [jnp.zeros((4, 8))] * 5 + [jnp.zeros(3), jnp.zeros((4, 8), jnp.bool_)]
+  assert _trees.same_shape_groups(xs, 64) == [[0, 1], [2, 3], [4], [5], [6]]
+  assert _trees.same_shape_groups(xs[:2], 31) == [[0], [1]]  # a leaf over it: alone
