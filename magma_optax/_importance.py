@@ -43,8 +43,15 @@ def validate(importance: Any) -> Importance:
   return importance
 
 
-def scores(importance: Importance, param: jax.Array, grad: jax.Array) -> jax.Array:
-  """Per-entry f32 importance of ``param`` (higher = keep); NaN -> ``-inf``."""
+def scores(
+  importance: Importance, param: jax.Array, grad: jax.Array, nan_last: bool = True
+) -> jax.Array:
+  """Per-entry f32 importance of ``param`` (higher = keep); NaN -> ``-inf``.
+
+  ``nan_last=False`` leaves NaN (and -0.0) as they are, for a caller that sums the
+  scores and handles NaN in the sums (:func:`magma_optax._topk.tile_sum`): a
+  select before the sum makes XLA:CPU write every score to memory first.
+  """
   p = param.astype(jnp.float32)
   g = grad.astype(jnp.float32)
   if importance == "magnitude_grad":
@@ -58,5 +65,7 @@ def scores(importance: Importance, param: jax.Array, grad: jax.Array) -> jax.Arr
         f"importance callable returned shape {s.shape} for a parameter of shape"
         f" {param.shape}; it must return one score per entry."
       )
+  if not nan_last:
+    return s
   # NaN ranks last; + 0.0 turns -0.0 into +0.0 so that the two tie.
   return jnp.where(jnp.isnan(s), -jnp.inf, s) + 0.0

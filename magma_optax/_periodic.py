@@ -487,7 +487,11 @@ def periodic_mask(
       for i, p in enumerate(plans)
       if p.layout is not None and math.prod(p.layout.shape) > 0
     ]
-    scores = {i: _importance.scores(importance, params[i], grads[i]) for i in idx}
+    # Tiles: NaN is handled in the tile sums (a NaN entry makes its tile's sum NaN,
+    # ranked -inf, as a -inf entry would), so the entries' scores fuse into them.
+    scores = {
+      i: _importance.scores(importance, params[i], grads[i], block is None) for i in idx
+    }
     active = {i: old[i] for i in idx}
     if block is not None:  # rank tiles: their summed scores, active if any entry is
       scores = {i: _topk.tile_sum(scores[i], block) for i in idx}

@@ -774,3 +774,45 @@ def test_stacks_of_leaves_hold_at_most_the_cap():
   xs = [jnp.zeros((4, 8))] * 5 + [jnp.zeros(3), jnp.zeros((4, 8), jnp.bool_)]
   assert _trees.same_shape_groups(xs, 64) == [[0, 1], [2, 3], [4], [5], [6]]
   assert _trees.same_shape_groups(xs[:2], 31) == [[0], [1]]  # a leaf over it: alone
+
+
+@pytest.mark.parametrize("ranking", ["per_leaf", "global"])
+def test_tiles_with_nan_inf_and_signed_zero_scores_match_numpy(ranking):
+  # Entry scores are summed per tile without the entry-level NaN -> -inf select
+  # (so they fuse into the sums); the tiles must rank as if it were there.
+  block = (2, 2)
+  w = np.arange(1.0, 33.0, dtype=np.float32).reshape(4, 8)
+  w[0, 0] = np.nan  # tile (0, 0): NaN with finite entries
+  w[0, 2], w[1, 3] = np.nan, np.inf  # tile (0, 1): NaN and +inf
+  w[2, 0] = np.inf  # tile (1, 0): +inf alone: ranks first
+  w[2, 2:4] = -np.inf  # custom scores below: -inf and +inf in one tile (1, 1)
+  w[3, 2] = np.inf
+  w[2:4, 4:6] = -0.0  # tile (1, 2): all -0.0
+  w[0:2, 6:8] = 0.0  # tile (0, 3): all +0.0, ties with (1, 2)
+  params = {"a": jnp.asarray(w), "b": jnp.asarray(w[::-1].copy())}
+  score = lambda p, g: p  # the parameter itself: signed, with NaN and infinities
+  tx = magma.periodic_mask(
+    optax.sgd(0.0),
+    sparsity=0.5,
+    every=1,
+    block=block,
+    importance=score,
+    ranking=ranking,
+  )
+  _, state = jax.jit(tx.update)(params, tx.init(params), params)
+  keys = sorted(params)
+  tiles = []
+  for k in keys:
+    s = np.asarray(params[k], np.float32)
+    s = np.where(np.isnan(s), -np.inf, s) + np.float32(0.0)
+    with np.errstate(invalid="ignore"):
+      t = np_tile_sums(s, block)
+    tiles.append(np.where(np.isnan(t), -np.inf, t) + np.float32(0.0))
+  active = [np.ones(t.shape, bool) for t in tiles]
+  if ranking == "per_leaf":
+    want = [np_keep(t, a, 0.5) for t, a in zip(tiles, active, strict=True)]
+  else:
+    flat = np_keep(np.concatenate([t.ravel() for t in tiles]), np.ones(16, bool), 0.5)
+    want = [flat[:8].reshape(2, 4), flat[8:].reshape(2, 4)]
+  for k, m in zip(keys, want, strict=True):
+    np.testing.assert_array_equal(np.asarray(state.mask[k]), np_untile(m, block))
