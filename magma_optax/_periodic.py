@@ -474,8 +474,7 @@ def periodic_mask(
       return inner.init(params)
 
   def new_masks(plans, params, grads, old, target, parts):
-    """The refreshed masks; the regrown and kept counts of the stacked leaves, and
-    the indices of the leaves ranked alone (counted by the caller).
+    """The refreshed masks, and the numbers of regrown and of kept scoped entries.
 
     Whole leaves of one shape are ranked by one computation over their stack
     (:func:`_trees.map_stacked`), not one per leaf: on XLA:CPU every step's launch
@@ -508,7 +507,7 @@ def periodic_mask(
       return m, _count([m & ~o]), _count([m])
 
     out = list(old)
-    alone = []  # ranked alone, as tiles if block=: untiled and counted below
+    alone = []  # ranked alone (as tiles if block=): untiled and counted below
     regrown = kept = jnp.zeros([], jnp.int32)
     if structure is not None or ranking == "per_leaf":
       # N:M groups never cross a leaf, so N:M leaves need no parts.
@@ -554,7 +553,9 @@ def periodic_mask(
     if block is not None:
       for i in alone:
         out[i] = _topk.untile(out[i], block)
-    return out, regrown, kept, alone
+    regrown = regrown + _count([out[i] & ~old[i] for i in alone])
+    kept = kept + _count([out[i] for i in alone])
+    return out, regrown, kept
 
   def update_fn(updates, state, params=None, **extra_args):
     if params is None:
@@ -588,15 +589,12 @@ def periodic_mask(
     # nothing after it reads the old masks.
     def refresh(carry):
       old_masks, inner_state, _, _, _ = carry
-      masks, num, kept, alone = new_masks(
-        plans, param_leaves, grads, old_masks, target, parts
-      )
+      masks, num, kept = new_masks(plans, param_leaves, grads, old_masks, target, parts)
+      kept = kept.astype(jnp.float32)
       regrown = [
         None if p.layout is None else masks[i] & ~old_masks[i]
         for i, p in enumerate(plans)
       ]
-      num = num + _count([regrown[i] for i in alone])
-      kept = (kept + _count([masks[i] for i in alone])).astype(jnp.float32)
       # The reset reads and writes every moment, so it runs only when an entry
       # regrew (rare with the default |W|*|g|: pruned weights score 0).
       inner_state = _trees.run_if(

@@ -255,8 +255,6 @@ def map_stacked(fn: Callable[..., Any], *columns: Sequence[jax.Array]) -> list:
   (``benchmarks/RESULTS.md``, "Many leaves"). ``fn`` returns a pytree of arrays.
   """
   rows = len(columns[0])
-  if rows == 1:
-    return [fn(*(c[0] for c in columns))]
   stacked = [jnp.stack(list(c)) for c in columns]
   out = jax.lax.map(lambda xs: fn(*xs), stacked)
   return [jax.tree.map(lambda x, j=j: x[j], out) for j in range(rows)]
