@@ -136,8 +136,11 @@ sees only the active entries in compact storage and every entry in skip storage)
 
 Sharding: skip, offload and N:M compact storage keep the parameters' layout
 (element-wise ops, and reductions within a group; a shard must hold whole groups
-along ``axis``) -- checked on 8 CPU devices with ``AxisType.Auto`` and ``Explicit``
-meshes: no parameter-sized collective, results equal to one device. Unstructured
+along ``axis``, a ``ValueError`` under ``Explicit`` axes otherwise) -- checked on 8
+CPU devices with ``AxisType.Auto`` and ``Explicit`` meshes: no parameter-sized
+collective, results equal to one device. Under ``Explicit`` axes a plain
+``tx.init(params)`` already gives N:M storage's stored arrays the parameter's
+partition spec (as :func:`magma_optax.sharding.init` does). Unstructured
 compact storage is one flat vector per leaf indexed by global flat indices, so under
 a mesh XLA gathers the leaf's mask and gradient to build it (checked with
 ``AxisType.Auto``); a leaf sharded over ``AxisType.Explicit`` axes is an error that
@@ -718,6 +721,14 @@ class _Storage:
   def init_bits(self) -> Any:
     return optax.MaskedNode()
 
+  def place(self, stored: jax.Array, x: jax.Array) -> jax.Array:
+    """``stored`` (a stored-shaped state entry or the bits) sharded as the step
+    gives it, where the parameter ``x`` is sharded over ``Explicit`` mesh axes:
+    eager ``jnp.zeros`` are replicated, and a jitted step's state must keep its
+    types. Storages whose stored arrays are the parameter's own pass them."""
+    del x
+    return stored
+
   def prepare(self, mask, bits, grad, record=False):
     del mask, grad, record
     return None, bits, None, None
@@ -1260,10 +1271,35 @@ class _Grouped(_Storage):
     return self.groups.stored_shape
 
   def init_leaf(self, x):
-    return jnp.zeros(self.stored_shape, x.dtype)
+    return self.place(jnp.zeros(self.stored_shape, x.dtype), x)
 
   def init_bits(self):
     return jnp.zeros(self.groups.bits_shape, self.groups.bits_dtype)
+
+  def place(self, stored, x):
+    """``stored`` with the partition spec of ``x`` where ``x`` is sharded over
+    ``Explicit`` mesh axes (the stored arrays and bits keep every axis of the
+    parameter; the groups' axis shrinks by whole groups per device)."""
+    self._check_explicit(x)
+    return _compat.put_like(stored, x)
+
+  def _check_explicit(self, x):
+    """Under ``Explicit`` mesh axes every device must hold whole groups."""
+    spec = _compat.explicit_spec(x)
+    if spec is None:
+      return
+    g = self.groups
+    pieces = _compat.mesh_axis_size(jax.typeof(x).sharding.mesh, spec[g.axis])
+    if g.shape[g.axis] % (pieces * g.m):
+      raise ValueError(
+        f"sparse_state: N:M compact storage (structure=({g.n}, {g.m}), groups of"
+        f" {g.m} along axis {g.axis}) of leaf {self.name}, shape {g.shape},"
+        f" sharded over Explicit mesh axes as {jax.sharding.PartitionSpec(*spec)}:"
+        f" axis {g.axis} is split into {pieces} pieces of"
+        f" {g.shape[g.axis] / pieces:g} entries, not whole groups of {g.m}. Shard"
+        " that axis into fewer pieces, group along another axis (axis=), or use"
+        " mode='skip'."
+      )
 
   def _overflow(self, active: int, at_least: bool = False) -> str:
     g = self.groups
@@ -1291,7 +1327,8 @@ class _Grouped(_Storage):
     return None
 
   def prepare(self, mask, bits, grad, record=False):
-    del grad
+    self._check_explicit(grad)
+    self._check_explicit(mask)
     g = self.groups
     check = _check_capacity(jnp.max(g.per_group(mask)), g.n, self._overflow)
     if record:  # a mask that does not fit: the stored entries instead
@@ -1327,13 +1364,6 @@ def _first(x: jax.Array) -> jax.Array:
   if _compat.explicit_spec(x) is not None:
     return jnp.max(x)
   return x.reshape(-1)[0]
-
-
-def _placed(storage: _Storage, x: jax.Array, param: jax.Array) -> jax.Array:
-  """``x`` of the storage's stored shape, sharded like its stored state: per-shard
-  tile storage follows the parameter (eager ``zeros_like`` and new arrays would
-  drop an Explicit sharding); other storages leave it as it is."""
-  return storage.place(x, param) if isinstance(storage, _ShardedTiles) else x
 
 
 def sparse_state(
@@ -1922,10 +1952,11 @@ def _transformation(
     ]
     base_state = base.init(treedef.unflatten(stored))
 
-    if any(isinstance(s, _ShardedTiles) for s in storages):
+    if any(isinstance(s, _ShardedTiles | _Grouped) for s in storages):
+      # Where the base makes new arrays (a zeros of its own, not zeros_like).
       shapes = [s.stored_shape for s in storages]
       base_state = _trees.map_like(
-        lambda i, x: _placed(storages[i], x, flat[i]),
+        lambda i, x: storages[i].place(x, flat[i]),
         base_state,
         treedef,
         shapes=shapes,
@@ -1933,10 +1964,7 @@ def _transformation(
     return SparseState(
       base_state=base_state,
       stored_bits=treedef.unflatten(
-        [
-          s.place(s.init_bits(), x) if isinstance(s, _ShardedTiles) else s.init_bits()
-          for s, x in zip(storages, flat, strict=True)
-        ]
+        [s.place(s.init_bits(), x) for s, x in zip(storages, flat, strict=True)]
       ),
       inactive_steps=treedef.unflatten(steps),
       cold=treedef.unflatten(
@@ -2037,7 +2065,7 @@ def _transformation(
       if not xs:
         return []
       # Sharded like the state (a loop's carry and a select's cases must be).
-      ones = _placed(s, jnp.ones(s.stored_shape, jnp.int8), flat_g[i])
+      ones = s.place(jnp.ones(s.stored_shape, jnp.int8), flat_g[i])
       kept = s.remap(now, _compat.put_like(ones, xs[0]), old_bits) != 0
       return [
         s.remap_fresh(now, x, old_bits, f, kept)

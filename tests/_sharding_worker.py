@@ -233,6 +233,22 @@ def flat_compact_error(mesh):
   return None
 
 
+def nm_split_groups_error(mesh):
+  """The error of N:M compact storage whose groups of 4 are split over devices by
+  an Explicit-axis sharding (8 devices on 8 columns), from a plain ``tx.init``."""
+  tx = magma.sparse_state(optax.adam(0.1), mode="compact", structure=(2, 4))
+  sharding = NamedSharding(mesh, P(None, ("x", "y")))
+  params = {"w": jax.device_put(jnp.ones((16, 8)), sharding)}
+  mask = {"w": jax.device_put(jnp.arange(128).reshape(16, 8) % 2 == 0, sharding)}
+  try:
+    jax.jit(lambda p, s, m: tx.update(p, s, p, param_mask=m))(
+      params, tx.init(params), mask
+    )
+  except ValueError as e:
+    return str(e)
+  return None
+
+
 def per_case(txs):
   """One optimizer running ``txs[name]`` on ``params[name]`` (like multi_transform,
   but every transform sees its own subtree exactly as if used alone)."""
@@ -602,6 +618,7 @@ def main(out_dir):
     report["explicit"] = sharded_run("explicit", cases, explicit, out_dir)
     if sparse_transforms():
       report["explicit_flat_compact"] = flat_compact_error(explicit)
+      report["explicit_nm_split_groups"] = nm_split_groups_error(explicit)
   lap("explicit")
   with open(os.path.join(out_dir, "report.json"), "w") as f:
     json.dump(report, f, indent=1)

@@ -202,6 +202,14 @@ def test_flat_compact_storage_rejects_explicit_axes_clearly(report):
   assert "structure=(n, m)" in message
 
 
+def test_nm_storage_with_groups_split_over_devices_is_refused_clearly(report):
+  if "explicit_nm_split_groups" not in report:
+    pytest.skip("the package has no periodic_mask/sparse_state")
+  message = report["explicit_nm_split_groups"]
+  assert message is not None, "no ValueError"
+  assert "split into 8 pieces of 1 entries, not whole groups of 4" in message
+
+
 @pytest.mark.parametrize("run", ["core", "explicit", "sparse", "tiles", "mlp"])
 def test_compiles_once(report, run):
   if run not in report:
