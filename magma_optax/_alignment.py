@@ -295,7 +295,7 @@ def settle_sums(
   if not jax.tree.leaves(operand) and not _compat.batched(sums):
     # A cond: what it reads is not carried. (A loop's closure is part of its
     # carry, which XLA copies where the step also returns those buffers.)
-    new, norms = jax.lax.cond(
+    new, norms = _compat.cond(
       pred(sums),
       lambda args: rescue(args[0], (), args[1]),
       lambda args: (args[0], [s[1] for s in args[0]]),

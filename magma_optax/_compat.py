@@ -228,3 +228,88 @@ def like_auto(fn: Any, like: jax.Array, *args: Any, axes: int | None = None) -> 
   # In the mesh of `like` (also outside a `jax.set_mesh` context).
   with jax.sharding.use_abstract_mesh(jax.typeof(like).sharding.mesh):
     return jax.sharding.auto_axes(fn, out_sharding=out)(*args)
+
+
+def _manual_axes() -> tuple[str, ...]:
+  """The mesh axes of the enclosing ``jax.shard_map`` (empty outside one)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return ()
+  manual = jax.sharding.AxisType.Manual
+  return tuple(
+    n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == manual
+  )
+
+
+def _varying(aval: Any) -> frozenset:
+  """The manual mesh axes along which a value varies (its type inside shard_map):
+  ``aval.mat.varying`` in JAX 0.10 and 0.12, ``aval.vma`` before."""
+  mat = getattr(aval, "mat", None)
+  if mat is not None:
+    return frozenset(mat.varying)
+  return frozenset(getattr(aval, "vma", ()))
+
+
+def varying_like_body(body: Any, carry: Any) -> Any:
+  """``carry`` cast to vary along every manual mesh axis along which ``body(carry)``
+  varies, so that a loop over ``body`` keeps its carry's type.
+
+  Inside ``jax.shard_map`` a loop's carry must have the same type before and after
+  its body, and a carry that starts as a constant (a zero count, ``False``) becomes
+  varying once the body mixes in the local shard's values. Outside ``shard_map``
+  ``carry`` is returned as it is, and nothing is traced.
+  """
+  axes = _manual_axes()
+  if not axes:
+    return carry
+  for _ in range(len(jax.tree.leaves(carry)) + 1):  # each pass adds an axis or stops
+    out = jax.make_jaxpr(body)(carry).out_avals
+    leaves, treedef = jax.tree.flatten(carry)
+    if len(out) != len(leaves):
+      return carry
+    changed = False
+    for k, (x, y) in enumerate(zip(leaves, out, strict=True)):
+      missing = tuple(a for a in axes if a in _varying(y) - _varying(jax.typeof(x)))
+      if missing:
+        leaves[k] = jax.lax.pcast(x, missing, to="varying")
+        changed = True
+    carry = treedef.unflatten(leaves)
+    if not changed:
+      break
+  return carry
+
+
+def while_loop(cond_fun: Any, body_fun: Any, init: Any) -> Any:
+  """``jax.lax.while_loop``, also inside ``jax.shard_map`` where the body makes a
+  constant initial carry vary (:func:`varying_like_body`)."""
+  return jax.lax.while_loop(cond_fun, body_fun, varying_like_body(body_fun, init))
+
+
+def fori_loop(lower: int, upper: Any, body_fun: Any, init: Any) -> Any:
+  """``jax.lax.fori_loop``, also inside ``jax.shard_map`` (as :func:`while_loop`)."""
+  init = varying_like_body(lambda c: body_fun(jnp.int32(lower), c), init)
+  return jax.lax.fori_loop(lower, upper, body_fun, init)
+
+
+def cond(pred: Any, true_fun: Any, false_fun: Any, *operands: Any) -> Any:
+  """``jax.lax.cond``, also inside ``jax.shard_map`` where one branch's output varies
+  along a manual mesh axis and the other's does not (a constant): both are then
+  cast to vary along the axes of either. Outside ``shard_map``, ``lax.cond``."""
+  axes = _manual_axes()
+  if not axes:
+    return jax.lax.cond(pred, true_fun, false_fun, *operands)
+  outs = [jax.make_jaxpr(f)(*operands).out_avals for f in (true_fun, false_fun)]
+  union = [_varying(a) | _varying(b) for a, b in zip(*outs, strict=True)]
+
+  def cast(fun):
+    def branch(*args):
+      leaves, treedef = jax.tree.flatten(fun(*args))
+      for k, x in enumerate(leaves):
+        missing = tuple(a for a in axes if a in union[k] - _varying(jax.typeof(x)))
+        if missing:
+          leaves[k] = jax.lax.pcast(x, missing, to="varying")
+      return treedef.unflatten(leaves)
+
+    return branch
+
+  return jax.lax.cond(pred, cast(true_fun), cast(false_fun), *operands)

@@ -450,7 +450,7 @@ def _computed_once(u: jax.Array, any_stored: jax.Array) -> jax.Array:
   """
 
   def on_cpu(u, any_stored):
-    return jax.lax.cond(any_stored, lambda u: u, jnp.zeros_like, u)
+    return _compat.cond(any_stored, lambda u: u, jnp.zeros_like, u)
 
   return jax.lax.platform_dependent(u, any_stored, cpu=on_cpu, default=lambda u, _: u)
 
@@ -643,7 +643,7 @@ def _raise_any(checks: list[_Check]) -> jax.Array | None:
     out = jax.ShapeDtypeStruct((), jnp.int32)
 
     def check(bads, *values):
-      return jax.lax.cond(
+      return _compat.cond(
         jnp.any(bads),
         lambda: jax.pure_callback(fail, out, bads, *values, vmap_method="sequential"),
         lambda: jnp.zeros([], jnp.int32),
@@ -800,7 +800,7 @@ class _Offload(_Skip):
   def load(self, x, active):
     if not _on_host(x):
       return x
-    return jax.lax.cond(
+    return _compat.cond(
       True if active is None else active,
       lambda: jax.device_put(x, _SPACE.Device),
       lambda: jnp.zeros(x.shape, x.dtype),
@@ -809,7 +809,7 @@ class _Offload(_Skip):
   def unload(self, new, orig, active):
     if not _on_host(orig):
       return new
-    return jax.lax.cond(
+    return _compat.cond(
       True if active is None else active,
       lambda: jax.device_put(new, _SPACE.Host),
       lambda: orig,

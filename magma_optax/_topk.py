@@ -135,10 +135,10 @@ def _first_r_cut(
     below = count_true([m & (i < cand) for m, i in zip(selected, index, strict=True)])
     return jnp.where((cand <= total) & (below < r), cand, t)
 
-  return jax.lax.cond(
+  return _compat.cond(
     r <= nbits,
-    lambda: jax.lax.fori_loop(0, r, next_selected, jnp.int32(-1)),
-    lambda: jax.lax.fori_loop(0, nbits, bit, jnp.int32(0)),
+    lambda: _compat.fori_loop(0, r, next_selected, jnp.int32(-1)),
+    lambda: _compat.fori_loop(0, nbits, bit, jnp.int32(0)),
   )
 
 
@@ -175,7 +175,7 @@ def _sample_keys(keys: jax.Array, q: jax.Array) -> jax.Array:
     counts = jnp.sum(keys >= cand[:, None], axis=1, dtype=jnp.int32)
     return jnp.where(counts >= q, cand, t)
 
-  return jax.lax.fori_loop(0, 32, bit, jnp.zeros(q.shape, jnp.uint32))
+  return _compat.fori_loop(0, 32, bit, jnp.zeros(q.shape, jnp.uint32))
 
 
 def _bisect_threshold(
@@ -193,7 +193,7 @@ def _bisect_threshold(
     count = count_true([key >= cand for key in keys])
     return b + 1, jnp.where(count >= k, cand, t), count == k
 
-  _, t, exact = jax.lax.while_loop(
+  _, t, exact = _compat.while_loop(
     lambda carry: (carry[0] < 32) & ~carry[2],
     bit,
     (jnp.int32(0), jnp.uint32(0), k <= 0),
@@ -255,7 +255,7 @@ def _threshold(
     return m, count_true([key >= m for key in keys])
 
   tied = lo_ok & ~done & (jnp.sum(sample == lo) >= 2)
-  m, c_m = jax.lax.cond(tied, over_the_gap, lambda: (lo, c_lo))
+  m, c_m = _compat.cond(tied, over_the_gap, lambda: (lo, c_lo))
   # No key lies strictly between lo and m, so #(>= lo + 1) = c_m.
   gap_ends = c_m < k
   hi, c_hi = jnp.where(gap_ends, lo + 1, hi), jnp.where(gap_ends, c_m, c_hi)
@@ -295,7 +295,7 @@ def _threshold(
 
   f_lo, f_hi = (c_lo - k).astype(jnp.float32), (c_hi - k).astype(jnp.float32)
   carry = (jnp.int32(0), lo, hi, c_lo, c_hi, f_lo, f_hi, jnp.int32(0), done, True)
-  _, t, _, _, c_gt, _, _, _, exact, _ = jax.lax.while_loop(
+  _, t, _, _, c_gt, _, _, _, exact, _ = _compat.while_loop(
     lambda c: ~c[8] & (c[2] - c[1] > 1), step, carry
   )
   return t, exact, k - c_gt  # at the end hi = lo + 1, so #(>= hi) = #(> lo)
@@ -324,7 +324,7 @@ def top_k_masks(
     tied_active = [m & a for m, a in zip(tied, actives, strict=True)]
     tied_inactive = [m & ~a for m, a in zip(tied, actives, strict=True)]
     n_active = count_true(tied_active)
-    return jax.lax.cond(
+    return _compat.cond(
       room <= n_active,
       lambda: (_first_r_cut(tied_active, index, room), jnp.int32(-1)),
       lambda: (
@@ -336,7 +336,7 @@ def top_k_masks(
   def keep_all_ties():
     return jnp.int32(jnp.iinfo(jnp.int32).max), jnp.int32(jnp.iinfo(jnp.int32).max)
 
-  cut_active, cut_inactive = jax.lax.cond(exact, keep_all_ties, split_ties)
+  cut_active, cut_inactive = _compat.cond(exact, keep_all_ties, split_ties)
   return [
     ((key > t) | ((key == t) & (i <= jnp.where(a, cut_active, cut_inactive)))) & (k > 0)
     for key, a, i in zip(keys, actives, index, strict=True)

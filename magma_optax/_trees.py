@@ -225,9 +225,9 @@ def run_if(pred: jax.Array, fn: Callable[[Any], Any], operand: Any) -> Any:
   carries a tangent (``jax.grad`` through optimizer steps) it is a ``lax.cond``.
   """
   if _compat.differentiated(operand):
-    return jax.lax.cond(pred, fn, lambda x: x, operand)
-  return jax.lax.while_loop(
-    lambda c: c[0], lambda c: (jnp.asarray(False), fn(c[1])), (pred, operand)
+    return _compat.cond(pred, fn, lambda x: x, operand)
+  return _compat.while_loop(
+    lambda c: c[0], lambda c: (~c[0], fn(c[1])), (pred, operand)
   )[1]
 
 

@@ -221,6 +221,16 @@ def test_compiles_once(report, run):
   assert not any(compiles[1:]), compiles
 
 
+def test_transforms_run_inside_shard_map_as_on_each_shard(report):
+  # Loops and branches keep their carry types under shard_map's checks: before,
+  # adam_magma and every periodic_mask failed there with a while_loop or cond
+  # TypeError (a constant carry against a varying body).
+  steps = report["shard_map_local_steps"]
+  assert len(steps) >= 5, steps
+  for name, diff in steps.items():
+    assert diff == 0.0, (name, diff)
+
+
 @pytest.mark.parametrize("granularity", ["tensor", "row", "column"])
 def test_shard_map_block_cosine(report, granularity):
   r = report["shard_map_cosine"][granularity]

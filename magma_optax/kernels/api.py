@@ -369,7 +369,7 @@ def sums_where_lost(pending: PendingAdam, b1: float) -> tuple[jax.Array, ...]:
     exact = reference.partial_sums(p.layout, m, grad, param_mask)
     return tuple(jnp.where(lost, e, s) for e, s in zip(exact, sums, strict=True))
 
-  return jax.lax.cond(jnp.any(lost), direct, lambda *ops: ops[-1], *operands)
+  return _compat.cond(jnp.any(lost), direct, lambda *ops: ops[-1], *operands)
 
 
 class PendingAdam(NamedTuple):
