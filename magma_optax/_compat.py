@@ -241,13 +241,25 @@ def _manual_axes() -> tuple[str, ...]:
   )
 
 
-def _varying(aval: Any) -> frozenset:
+def _varying_aval(aval: Any) -> frozenset:
   """The manual mesh axes along which a value varies (its type inside shard_map):
   ``aval.mat.varying`` in JAX 0.10 and 0.12, ``aval.vma`` before."""
   mat = getattr(aval, "mat", None)
   if mat is not None:
     return frozenset(mat.varying)
   return frozenset(getattr(aval, "vma", ()))
+
+
+def varying(x: jax.Array) -> frozenset:
+  """The manual mesh axes along which ``x`` varies (empty outside ``shard_map``)."""
+  return _varying_aval(jax.typeof(x))
+
+
+def vary_along(x: jax.Array, axes: Any) -> jax.Array:
+  """``x`` cast to vary along those of the manual mesh ``axes`` (inside
+  ``jax.shard_map``) along which it does not vary yet; elsewhere ``x``."""
+  missing = tuple(a for a in _manual_axes() if a in axes and a not in varying(x))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def varying_like_body(body: Any, carry: Any) -> Any:
@@ -267,15 +279,10 @@ def varying_like_body(body: Any, carry: Any) -> Any:
     leaves, treedef = jax.tree.flatten(carry)
     if len(out) != len(leaves):
       return carry
-    changed = False
-    for k, (x, y) in enumerate(zip(leaves, out, strict=True)):
-      missing = tuple(a for a in axes if a in _varying(y) - _varying(jax.typeof(x)))
-      if missing:
-        leaves[k] = jax.lax.pcast(x, missing, to="varying")
-        changed = True
-    carry = treedef.unflatten(leaves)
-    if not changed:
+    cast = [vary_along(x, _varying_aval(y)) for x, y in zip(leaves, out, strict=True)]
+    if all(c is x for c, x in zip(cast, leaves, strict=True)):
       break
+    carry = treedef.unflatten(cast)
   return carry
 
 
@@ -299,16 +306,14 @@ def cond(pred: Any, true_fun: Any, false_fun: Any, *operands: Any) -> Any:
   if not axes:
     return jax.lax.cond(pred, true_fun, false_fun, *operands)
   outs = [jax.make_jaxpr(f)(*operands).out_avals for f in (true_fun, false_fun)]
-  union = [_varying(a) | _varying(b) for a, b in zip(*outs, strict=True)]
+  union = [_varying_aval(a) | _varying_aval(b) for a, b in zip(*outs, strict=True)]
 
   def cast(fun):
     def branch(*args):
       leaves, treedef = jax.tree.flatten(fun(*args))
-      for k, x in enumerate(leaves):
-        missing = tuple(a for a in axes if a in union[k] - _varying(jax.typeof(x)))
-        if missing:
-          leaves[k] = jax.lax.pcast(x, missing, to="varying")
-      return treedef.unflatten(leaves)
+      return treedef.unflatten(
+        [vary_along(x, u) for x, u in zip(leaves, union, strict=True)]
+      )
 
     return branch
 

@@ -227,7 +227,11 @@ def run_if(pred: jax.Array, fn: Callable[[Any], Any], operand: Any) -> Any:
   if _compat.differentiated(operand):
     return _compat.cond(pred, fn, lambda x: x, operand)
   return _compat.while_loop(
-    lambda c: c[0], lambda c: (~c[0], fn(c[1])), (pred, operand)
+    # The body's predicate is the constant False (XLA then sees one step at
+    # most, and keeps fewer buffers), typed like `pred` inside shard_map.
+    lambda c: c[0],
+    lambda c: (_compat.vary_along(jnp.asarray(False), _compat.varying(c[0])), fn(c[1])),
+    (pred, operand),
   )[1]
 
 
