@@ -28,6 +28,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from magma_optax import _topk
+
 Importance = str | Callable[[jax.Array, jax.Array], jax.Array]
 
 IMPORTANCES = ("magnitude_grad", "magnitude")
@@ -67,5 +69,4 @@ def scores(
       )
   if not nan_last:
     return s
-  # NaN ranks last; + 0.0 turns -0.0 into +0.0 so that the two tie.
-  return jnp.where(jnp.isnan(s), -jnp.inf, s) + 0.0
+  return _topk.ranked_scores(s)

@@ -487,9 +487,13 @@ def periodic_mask(
       if p.layout is not None and math.prod(p.layout.shape) > 0
     ]
     # Tiles: NaN is handled in the tile sums (a NaN entry makes its tile's sum NaN,
-    # ranked -inf, as a -inf entry would), so the entries' scores fuse into them.
+    # ranked -inf, as a -inf entry would), so the built-in scores fuse into them. A
+    # callable's scores are written out first: fused, XLA:CPU would add its last
+    # product into the sum unrounded (an FMA) or skip a bfloat16 rounding, and
+    # tiles of equal entry scores would not tie.
+    entry_scores = block is None or callable(importance)
     scores = {
-      i: _importance.scores(importance, params[i], grads[i], block is None) for i in idx
+      i: _importance.scores(importance, params[i], grads[i], entry_scores) for i in idx
     }
     active = {i: old[i] for i in idx}
     if block is not None:  # rank tiles: their summed scores, active if any entry is

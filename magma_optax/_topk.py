@@ -440,10 +440,16 @@ def _tiled(x: jax.Array, block: tuple[int, int]) -> jax.Array:
   return _compat.reshape(x, (*lead, rows // r, r, cols // c, c))
 
 
+def ranked_scores(s: jax.Array) -> jax.Array:
+  """``s`` as the rankings compare it: NaN -> ``-inf`` (ranked last), and -0.0 ->
+  +0.0 so that the two tie (a select: XLA folds ``s + 0.0`` into ``s``)."""
+  return jnp.where(jnp.isnan(s), -jnp.inf, jnp.where(s == 0, jnp.zeros([], s.dtype), s))
+
+
 def tile_sum(score: jax.Array, block: tuple[int, int]) -> jax.Array:
-  """Sum of ``score`` per ``r x c`` tile of the last two axes (``-inf`` for NaN)."""
-  s = jnp.sum(_tiled(score, block), axis=(-3, -1))
-  return jnp.where(jnp.isnan(s), -jnp.inf, s) + 0.0  # +inf + -inf, -0.0
+  """Sum of ``score`` per ``r x c`` tile of the last two axes, as
+  :func:`ranked_scores` (``-inf`` for NaN, also from +inf + -inf)."""
+  return ranked_scores(jnp.sum(_tiled(score, block), axis=(-3, -1)))
 
 
 def tile_any(mask: jax.Array, block: tuple[int, int]) -> jax.Array:

@@ -776,10 +776,12 @@ def test_stacks_of_leaves_hold_at_most_the_cap():
   assert _trees.same_shape_groups(xs[:2], 31) == [[0], [1]]  # a leaf over it: alone
 
 
+@pytest.mark.parametrize("importance", ["callable", "magnitude"])
 @pytest.mark.parametrize("ranking", ["per_leaf", "global"])
-def test_tiles_with_nan_inf_and_signed_zero_scores_match_numpy(ranking):
-  # Entry scores are summed per tile without the entry-level NaN -> -inf select
-  # (so they fuse into the sums); the tiles must rank as if it were there.
+def test_tiles_with_nan_inf_and_signed_zero_scores_match_numpy(ranking, importance):
+  # Built-in entry scores are summed per tile without the entry-level NaN -> -inf
+  # select (so they fuse into the sums); a callable's are written out first. The
+  # tiles must rank as if the select were there, either way.
   block = (2, 2)
   w = np.arange(1.0, 33.0, dtype=np.float32).reshape(4, 8)
   w[0, 0] = np.nan  # tile (0, 0): NaN with finite entries
@@ -790,7 +792,11 @@ def test_tiles_with_nan_inf_and_signed_zero_scores_match_numpy(ranking):
   w[2:4, 4:6] = -0.0  # tile (1, 2): all -0.0
   w[0:2, 6:8] = 0.0  # tile (0, 3): all +0.0, ties with (1, 2)
   params = {"a": jnp.asarray(w), "b": jnp.asarray(w[::-1].copy())}
-  score = lambda p, g: p  # the parameter itself: signed, with NaN and infinities
+  if importance == "callable":
+    score = lambda p, g: p  # the parameter itself: signed, with NaN and infinities
+    np_score = lambda w: w
+  else:
+    score, np_score = importance, np.abs
   tx = magma.periodic_mask(
     optax.sgd(0.0),
     sparsity=0.5,
@@ -803,7 +809,7 @@ def test_tiles_with_nan_inf_and_signed_zero_scores_match_numpy(ranking):
   keys = sorted(params)
   tiles = []
   for k in keys:
-    s = np.asarray(params[k], np.float32)
+    s = np_score(np.asarray(params[k], np.float32))
     s = np.where(np.isnan(s), -np.inf, s) + np.float32(0.0)
     with np.errstate(invalid="ignore"):
       t = np_tile_sums(s, block)
@@ -816,3 +822,81 @@ def test_tiles_with_nan_inf_and_signed_zero_scores_match_numpy(ranking):
     want = [flat[:8].reshape(2, 4), flat[8:].reshape(2, 4)]
   for k, m in zip(keys, want, strict=True):
     np.testing.assert_array_equal(np.asarray(state.mask[k]), np_untile(m, block))
+
+
+def _equal_products(rows):
+  """(p, g) of shape (rows, 4): every tile of (1, 2) entries scores exactly the same
+  per entry (even tiles: p = fl(a * b), g = 1; odd tiles: p = a, g = b), for a pair
+  (a, b) whose tile sum differs if one product enters it unrounded (an FMA)."""
+  rng = np.random.default_rng(0)
+  for _ in range(10000):
+    a, b = (
+      rng.uniform(1, 2, 2).astype(np.float32),
+      rng.uniform(1, 2, 2).astype(np.float32),
+    )
+    ab = a * b
+    plain = np.float32(ab[0] + ab[1])
+    fused = np.float32(np.float64(ab[0]) + np.float64(a[1]) * np.float64(b[1]))
+    if plain != fused:
+      break
+  else:
+    raise AssertionError("no pair found")
+  p, g = np.zeros((rows, 4), np.float32), np.zeros((rows, 4), np.float32)
+  p[:, :2], g[:, :2] = ab, 1.0
+  p[:, 2:], g[:, 2:] = a, b
+  return p, g
+
+
+@pytest.mark.parametrize("ranking", ["per_leaf", "global"])
+@pytest.mark.parametrize("importance", ["callable", "magnitude_grad"])
+def test_tiles_of_equal_entry_scores_tie(importance, ranking):
+  # Every tile's entries score the same bits, so all tiles tie and the lower half
+  # of the tile indices is kept. Summing a product unrounded (XLA:CPU fusing the
+  # callable's p * g into the tile sum as an FMA) broke the ties: every odd tile
+  # was kept instead.
+  p, g = _equal_products(32)
+  score = (lambda p, g: p * g) if importance == "callable" else importance
+  tx = magma.periodic_mask(
+    optax.sgd(0.0),
+    sparsity=0.5,
+    every=1,
+    block=(1, 2),
+    importance=score,
+    ranking=ranking,
+  )
+  params, grads = {"w": jnp.asarray(p)}, {"w": jnp.asarray(g)}
+  _, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  want = np.arange(64).reshape(32, 2) < 32
+  np.testing.assert_array_equal(np.asarray(state.mask["w"])[:, ::2], want)
+
+
+def test_tiles_rank_a_bfloat16_callable_on_its_rounded_output():
+  # The callable computes in bfloat16; the tiles rank the sums of its (rounded)
+  # outputs, as a reference on those outputs does. Fused into the sum, XLA skipped
+  # the rounding (excess precision) and swapped two tiles here.
+  imp = lambda p, g: jnp.abs(p * g)
+  k1, k2 = jax.random.split(jax.random.key(0))
+  params = {"w": jax.random.normal(k1, (64, 64)).astype(jnp.bfloat16)}
+  grads = {"w": jax.random.normal(k2, (64, 64)).astype(jnp.bfloat16)}
+  tx = magma.periodic_mask(
+    optax.sgd(0.0), sparsity=0.5, every=1, block=(2, 2), importance=imp
+  )
+  _, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  s = np.asarray(imp(params["w"], grads["w"]).astype(jnp.float32))
+  sums = np_tile_sums(s.astype(np.float64), (2, 2))
+  want = np_keep(sums, np.ones(sums.shape, bool), 0.5)
+  np.testing.assert_array_equal(np.asarray(state.mask["w"]), np_untile(want, (2, 2)))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_signed_zero_scores_tie(jit):
+  # -0.0 and +0.0 tie, so the lower index is kept: the two -0.0 entries come first.
+  # (A `+ 0.0` meant to turn -0.0 into +0.0 was folded away by XLA.)
+  g = jnp.asarray([-0.0, -0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
+  params = {"w": jnp.ones(8)}
+  tx = magma.periodic_mask(
+    optax.sgd(0.0), sparsity=0.25, every=1, importance=lambda p, g: g
+  )
+  update = jax.jit(tx.update) if jit else tx.update
+  _, state = update({"w": g}, tx.init(params), params)
+  np.testing.assert_array_equal(state.mask["w"], [1, 1, 0, 0, 1, 1, 1, 1])
