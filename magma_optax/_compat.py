@@ -286,6 +286,41 @@ def varying_like_body(body: Any, carry: Any) -> Any:
   return carry
 
 
+def typed_init(init_fn: Any, update_fn: Any, *, param_mask: bool = False) -> Any:
+  """``init_fn`` whose state, inside ``jax.shard_map``, has the types that
+  ``update_fn`` gives it back.
+
+  Inside ``shard_map`` a state leaf built from constants (a zero count, a score,
+  ``False``) is typed as the same on every shard, and an update that mixes in the
+  shard's gradient returns it typed as varying along the manual mesh axes; a loop
+  over steps (``lax.scan``), ``optax.MultiSteps`` and ``optax.apply_if_finite`` then
+  fail, since their carry or branches must keep one type. Here the initial state
+  is cast to the types of one traced update (gradients typed like the parameters,
+  with ``param_mask`` a mask typed like them), as ``optax.adam``'s ``zeros_like``
+  moments are. Values do not change. Outside ``shard_map`` this is ``init_fn``
+  and nothing more is traced; an update that cannot be traced from ``params``
+  alone (it needs other extra args) leaves the state as ``init_fn`` built it.
+  """
+
+  def init(params: Any) -> Any:
+    state = init_fn(params)
+    if not _manual_axes():
+      return state
+    extra = {}
+    if param_mask:
+      extra["param_mask"] = jax.tree.map(lambda p: p == p, params)
+
+    def step(s: Any) -> Any:
+      return update_fn(params, s, params, **extra)[1]
+
+    try:
+      return varying_like_body(step, state)
+    except Exception:  # noqa: BLE001 - only the types are sought; see above
+      return state
+
+  return init
+
+
 def while_loop(cond_fun: Any, body_fun: Any, init: Any) -> Any:
   """``jax.lax.while_loop``, also inside ``jax.shard_map`` where the body makes a
   constant initial carry vary (:func:`varying_like_body`)."""

@@ -80,6 +80,7 @@ import jax.numpy as jnp
 import optax
 
 from magma_optax import _blocks
+from magma_optax import _compat
 from magma_optax import _schedules
 from magma_optax import _scoping
 
@@ -552,4 +553,6 @@ class BlockMask:
       del params, extra_args
       return self.step(updates, state)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(
+      _compat.typed_init(init_fn, update_fn), update_fn
+    )

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from magma_optax import _compat
 from magma_optax import _schedules
 from magma_optax import _trees
 
@@ -116,4 +117,6 @@ def masked_weight_decay(
       count=optax.safe_increment(state.count), coefficient=coef
     )
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(
+    _compat.typed_init(init_fn, update_fn, param_mask=True), update_fn
+  )

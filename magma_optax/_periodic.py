@@ -643,4 +643,6 @@ def periodic_mask(
     )
     return treedef.unflatten(out), new_state
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(
+    _compat.typed_init(init_fn, update_fn), update_fn
+  )

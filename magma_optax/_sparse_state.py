@@ -2224,7 +2224,9 @@ def _transformation(
       errors=_record(checks, state.errors) if record else state.errors,
     )
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(
+    _compat.typed_init(init_fn, update_fn, param_mask=True), update_fn
+  )
 
 
 def host_offload_available(device: jax.Device | None = None) -> bool:

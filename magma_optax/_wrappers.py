@@ -37,6 +37,7 @@ import optax
 
 from magma_optax import _alignment
 from magma_optax import _blocks
+from magma_optax import _compat
 from magma_optax import _engine
 from magma_optax import _masks
 from magma_optax import _schedules
@@ -208,7 +209,9 @@ def magma(
     )
     return masked, MaskedUpdateState(inner, mask_state)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(
+    _compat.typed_init(init_fn, update_fn), update_fn
+  )
 
 
 def skip_update(
@@ -269,4 +272,6 @@ def skip_update(
     masked, mask_state = mask.update(deltas, state.mask_state, params)
     return masked, MaskedUpdateState(inner, mask_state)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(
+    _compat.typed_init(init_fn, update_fn), update_fn
+  )

@@ -48,11 +48,11 @@ Tested on 8 devices vs 1 and on two ``jax.distributed`` processes
 **shard_map.** Inside ``jax.shard_map`` a transform sees only the local shard: its
 cosines would be of local pieces, its per-block draws of the local shape and
 :func:`periodic_mask`'s top-k of the shard's entries, which is a different algorithm.
-It runs step by step (with ``check_vma`` too) and gives exactly what it gives each
-shard alone (tests/test_sharding.py); a ``lax.scan`` over steps, ``optax.MultiSteps``
-and ``apply_if_finite`` there do not run yet (several states change their type from
-``init`` to the first update). Run the optimizer under ``jax.jit`` on sharded arrays instead
-(the recommended path); code written per shard that needs Magma's cosine uses
+It runs there (with ``check_vma`` too), also in a ``lax.scan`` over steps and inside
+``optax.MultiSteps``, and gives exactly what it gives each shard alone
+(tests/test_sharding.py): ``init`` gives each state leaf the type the update returns
+it with. Run the optimizer under ``jax.jit`` on sharded arrays instead (the
+recommended path); code written per shard that needs Magma's cosine uses
 :func:`block_cosine` with ``axis_name`` naming the mesh axes that split each block.
 
 This module is public as ``magma_optax.sharding`` (``import magma_optax as magma;

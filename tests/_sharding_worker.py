@@ -587,10 +587,13 @@ def shard_map_cosine(mesh):
 
 
 def shard_map_local_steps(mesh):
-  """Two steps of each transform inside a checked ``shard_map`` (every leaf split over
-  both mesh axes) against the same steps on each shard alone: name -> the largest
-  difference, or the error. Inside ``shard_map`` a transform sees only its shard (the
-  documented, local algorithm); its loops and branches must keep their types there."""
+  """Three steps of each transform inside a checked ``shard_map`` (every leaf split
+  over both mesh axes) against the same steps on each shard alone: name -> the
+  largest difference, or the error. Inside ``shard_map`` a transform sees only its
+  shard (the documented, local algorithm); its loops and branches must keep their
+  types there, and so must its state from ``init`` to each update: the steps run as
+  a ``lax.scan`` whose carry is the state (``apply_if_finite``'s own counters change
+  type there, optax's as well as ours, so it runs in a Python loop)."""
   shard_map, _ = _shard_map()
   cases = {
     "magma": magma.magma(optax.adam(0.1), key=1),
@@ -610,6 +613,21 @@ def shard_map_local_steps(mesh):
       every=2,
       block=(4, 4),
     )
+  cases["multi_steps_magma"] = optax.MultiSteps(magma.magma(optax.adam(0.1)), 2)
+  cases["multi_steps_periodic_mask_nm_compact"] = optax.MultiSteps(
+    cases["periodic_mask_nm_compact"], 2
+  )
+  cases["inject_hyperparams_adam_magma"] = optax.inject_hyperparams(
+    magma.adam_magma, static_args=("b1", "b2", "eps", "eps_root")
+  )(learning_rate=0.1, key=2)
+  cases["periodic_mask_masked_weight_decay"] = magma.periodic_mask(
+    optax.chain(magma.masked_weight_decay(0.1, ramp_steps=2), optax.adam(0.1)),
+    sparsity=0.5,
+    every=2,
+  )
+  cases["apply_if_finite_periodic_mask"] = optax.apply_if_finite(
+    magma.periodic_mask(optax.adam(0.1), sparsity=0.5, every=2), 3
+  )
   key = jax.random.key(5)
   p = {"w": jax.random.normal(key, (16, 32))}
   g = {"w": jax.random.normal(jax.random.fold_in(key, 1), (16, 32))}
@@ -617,11 +635,18 @@ def shard_map_local_steps(mesh):
   rows, cols = 16 // mesh.shape["x"], 32 // mesh.shape["y"]
 
   def steps(tx, p, g):
-    s = tx.init(p)
-    for _ in range(2):
-      u, s = tx.update(g, s, p)
-      p = optax.apply_updates(p, u)
-    return p
+    def step(carry, t):
+      p, s = carry
+      u, s = tx.update(jax.tree.map(lambda x: x * jnp.cos(t), g), s, p)
+      return (optax.apply_updates(p, u), s), None
+
+    s0, ts = tx.init(p), jnp.arange(3.0)
+    carry = (p, s0)
+    if isinstance(s0, optax.ApplyIfFiniteState):
+      for t in ts:
+        carry, _ = step(carry, t)
+      return carry[0]
+    return jax.lax.scan(step, carry, ts)[0][0]
 
   report = {}
   for name, tx in cases.items():

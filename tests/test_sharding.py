@@ -224,9 +224,11 @@ def test_compiles_once(report, run):
 def test_transforms_run_inside_shard_map_as_on_each_shard(report):
   # Loops and branches keep their carry types under shard_map's checks: before,
   # adam_magma and every periodic_mask failed there with a while_loop or cond
-  # TypeError (a constant carry against a varying body).
+  # TypeError (a constant carry against a varying body). And init's state has the
+  # types of the updated state: before, the lax.scan over steps, MultiSteps and
+  # apply_if_finite failed (a state built from constants came back varying).
   steps = report["shard_map_local_steps"]
-  assert len(steps) >= 5, steps
+  assert len(steps) >= 10, steps
   for name, diff in steps.items():
     assert diff == 0.0, (name, diff)
 
