@@ -36,6 +36,7 @@ Example:
 
 from __future__ import annotations
 
+import contextvars
 import math
 from collections.abc import Callable
 from collections.abc import Sequence
@@ -46,6 +47,11 @@ import jax.numpy as jnp
 import optax
 
 from magma_optax import _compat
+
+# Set while the branches of a differentiated run_if are traced: a cond traces its
+# branches on plain tracers (the tangents are added to the branch afterwards), so
+# a run_if nested in one sees no tangent in its operand, and must be a cond too.
+_DIFFERENTIATED = contextvars.ContextVar("magma_optax_differentiated", default=False)
 
 
 def is_masked(x: Any) -> bool:
@@ -224,8 +230,12 @@ def run_if(pred: jax.Array, fn: Callable[[Any], Any], operand: Any) -> Any:
   ``while_loop`` cannot be differentiated in reverse mode, so where ``operand``
   carries a tangent (``jax.grad`` through optimizer steps) it is a ``lax.cond``.
   """
-  if _compat.differentiated(operand):
-    return _compat.cond(pred, fn, lambda x: x, operand)
+  if _DIFFERENTIATED.get() or _compat.differentiated(operand):
+    token = _DIFFERENTIATED.set(True)
+    try:
+      return _compat.cond(pred, fn, lambda x: x, operand)
+    finally:
+      _DIFFERENTIATED.reset(token)
   return _compat.while_loop(
     # The body's predicate is the constant False (XLA then sees one step at
     # most, and keeps fewer buffers), typed like `pred` inside shard_map.

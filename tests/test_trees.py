@@ -45,3 +45,18 @@ def test_run_if_runs_zero_or_one_step_and_is_reverse_differentiable():
     # under vmap too
     grads = jax.vmap(jax.grad(loss), (0, None))(jnp.ones(2), jnp.asarray(pred))
     assert grads.tolist() == [want, want]
+
+
+def test_run_if_nested_in_a_differentiated_run_if_is_reverse_differentiable():
+  # The outer cond traces its branch on plain tracers: the inner run_if sees no
+  # tangent in its operand, and must be a cond all the same.
+  def loss(s, outer, inner):
+    def fn(c):
+      return _trees.run_if(inner, lambda d: {"a": d["a"] * 3.0}, {"a": c["a"] * 2.0})
+
+    return jnp.sum(_trees.run_if(outer, fn, {"a": s * jnp.arange(3.0)})["a"])
+
+  grad = jax.jit(jax.grad(loss))
+  for outer, inner, want in ((1, 1, 18.0), (1, 0, 6.0), (0, 1, 3.0), (0, 0, 3.0)):
+    got = grad(jnp.asarray(1.0), jnp.asarray(bool(outer)), jnp.asarray(bool(inner)))
+    assert float(got) == want
