@@ -1461,7 +1461,8 @@ def sparse_state(
       :attr:`SparseState.errors` for :func:`check_sparse_state` to raise, with
       the same message, where the loop reads values anyway (as
       ``optax.apply_if_finite`` skips and counts). Nothing is raised by the
-      step itself, jitted or not.
+      step itself, jitted or not. Use it to ``jax.export`` a step: JAX cannot
+      serialize ``"raise"``'s host callback, nor lower it for several platforms.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with a :class:`SparseState`.
