@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 
 JAX_VERSION: tuple[int, ...] = tuple(
@@ -32,20 +33,24 @@ def is_tracer(value: Any) -> bool:
   return isinstance(value, jax.core.Tracer)
 
 
-def differentiated(tree: Any) -> bool:
-  """Whether some leaf of ``tree`` carries a tangent (``jax.grad``, ``jax.vjp``,
-  ``jax.jvp``, also under ``vmap``): by the tracer types' names, which jax does
-  not promise (``LinearizeTracer``, ``JVPTracer``; a ``BatchTracer`` is looked
-  into). For code that must pick a reverse-differentiable form."""
+def hoist_closure(fn: Any, operand: Any) -> tuple[Any, list[Any]]:
+  """``fn`` as a function of ``operand`` and of every value it closes over,
+  passed explicitly: ``fn(operand) == converted(operand, *consts)``.
 
-  def tangent(x: Any) -> bool:
-    while is_tracer(x):
-      if type(x).__name__ in ("LinearizeTracer", "JVPTracer"):
-        return True
-      x = getattr(x, "val", None)  # BatchTracer wraps the traced value
-    return False
+  Unlike ``jax.closure_convert``, which keeps the values that it cannot
+  differentiate closed over, every value is hoisted, so the converted function
+  holds no tracer of the trace it was built in (a custom rule may call it later,
+  from another trace). ``fn`` is traced once, on ``operand``'s types; the jaxpr
+  runs through ``jax.extend.core``.
+  """
+  closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(operand)
+  jaxpr, out_tree = closed.jaxpr, jax.tree.structure(out_shape)
 
-  return any(tangent(x) for x in jax.tree.leaves(tree))
+  def converted(x: Any, *consts: Any) -> Any:
+    run = jax.extend.core.jaxpr_as_fun(jax.extend.core.ClosedJaxpr(jaxpr, consts))
+    return out_tree.unflatten(run(*jax.tree.leaves(x)))
+
+  return converted, list(closed.consts)
 
 
 def batched(tree: Any) -> bool:

@@ -36,7 +36,6 @@ Example:
 
 from __future__ import annotations
 
-import contextvars
 import math
 from collections.abc import Callable
 from collections.abc import Sequence
@@ -47,11 +46,6 @@ import jax.numpy as jnp
 import optax
 
 from magma_optax import _compat
-
-# Set while the branches of a differentiated run_if are traced: a cond traces its
-# branches on plain tracers (the tangents are added to the branch afterwards), so
-# a run_if nested in one sees no tangent in its operand, and must be a cond too.
-_DIFFERENTIATED = contextvars.ContextVar("magma_optax_differentiated", default=False)
 
 
 def is_masked(x: Any) -> bool:
@@ -227,22 +221,56 @@ def run_if(pred: jax.Array, fn: Callable[[Any], Any], operand: Any) -> Any:
 
   A loop updates its carry in place; a ``lax.cond`` copies ``operand`` into its
   output buffers whichever branch runs (with donated buffers: every step). A
-  ``while_loop`` cannot be differentiated in reverse mode, so where ``operand``
-  carries a tangent (``jax.grad`` through optimizer steps) it is a ``lax.cond``.
+  ``while_loop`` has no reverse mode, so the loop has a JVP rule of its own: the
+  primal is the loop, the tangent a ``lax.cond`` (which transposes). It applies
+  wherever the tangents come from, also where the loop was traced before them
+  (a ``lax.scan`` body, a ``cond`` branch: plain tracers) and to what ``fn``
+  closes over (hoisted into arguments: :func:`magma_optax._compat.hoist_closure`).
   """
-  if _DIFFERENTIATED.get() or _compat.differentiated(operand):
-    token = _DIFFERENTIATED.set(True)
-    try:
-      return _compat.cond(pred, fn, lambda x: x, operand)
-    finally:
-      _DIFFERENTIATED.reset(token)
+  # Inside shard_map, the operand typed as the loop's carry will be: the hoisted
+  # jaxpr then runs on what it was traced on.
+  operand = _compat.varying_like_body(fn, operand)
+  converted, consts = _compat.hoist_closure(fn, operand)
+  return _run_if(converted, pred, operand, *consts)
+
+
+def _loop_if(fn: Callable[..., Any], pred: Any, operand: Any, *consts: Any) -> Any:
+  """``run_if`` as a loop of zero or one step, ``fn`` taking ``consts`` too."""
   return _compat.while_loop(
     # The body's predicate is the constant False (XLA then sees one step at
     # most, and keeps fewer buffers), typed like `pred` inside shard_map.
     lambda c: c[0],
-    lambda c: (_compat.vary_along(jnp.asarray(False), _compat.varying(c[0])), fn(c[1])),
+    lambda c: (
+      _compat.vary_along(jnp.asarray(False), _compat.varying(c[0])),
+      fn(c[1], *consts),
+    ),
     (pred, operand),
   )[1]
+
+
+_run_if = jax.custom_jvp(_loop_if, nondiff_argnums=(0,))
+
+
+@_run_if.defjvp
+def _run_if_jvp(fn: Callable[..., Any], primals: Any, tangents: Any) -> Any:
+  # The primal is the loop (in place); the tangent is fn's, or the operand's
+  # when pred is False, chosen by a cond. Integer and bool leaves have float0
+  # tangents, which a cond cannot return: they pass through.
+  pred, operand, *consts = primals
+  _, t_operand, *t_consts = tangents
+  out = _run_if(fn, pred, operand, *consts)
+  leaves, treedef = jax.tree.flatten(t_operand)
+  real = [i for i, t in enumerate(leaves) if t.dtype != jax.dtypes.float0]
+
+  def ran():
+    t = jax.jvp(lambda x, *c: fn(x, *c), (operand, *consts), (t_operand, *t_consts))[1]
+    flat = treedef.flatten_up_to(t)
+    return [flat[i] for i in real]
+
+  taken = _compat.cond(pred, ran, lambda: [leaves[i] for i in real])
+  for i, t in zip(real, taken, strict=True):
+    leaves[i] = t
+  return out, treedef.unflatten(leaves)
 
 
 def same_shape_groups(arrays: Sequence[Any], max_size: int) -> list[list[int]]:

@@ -902,6 +902,7 @@ def test_signed_zero_scores_tie(jit):
   np.testing.assert_array_equal(state.mask["w"], [1, 1, 0, 0, 1, 1, 1, 1])
 
 
+@pytest.mark.parametrize("loop", ["python", "scan"])
 @pytest.mark.parametrize(
   "kw",
   [
@@ -912,16 +913,17 @@ def test_signed_zero_scores_tie(jit):
   ],
   ids=["element", "n_m", "tiles", "compact_inner"],
 )
-def test_reverse_mode_through_unrolled_refreshes(kw):
-  # d loss(params after 3 steps) / d learning rate through refreshes every step:
-  # the refresh's zero-or-one-step loop, and the moment reset nested in it, are
-  # conds under jax.grad. Before, the nested reset stayed a while_loop (a cond
-  # traces its branch on plain tracers) and jax.grad failed from the second step.
-  # Checked against a central finite difference (tolerance 2 %).
+def test_reverse_mode_through_refreshes(kw, loop):
+  # d loss(params after 3 steps) / d learning rate through refreshes every step,
+  # the steps unrolled in Python or in a lax.scan: the refresh's zero-or-one-step
+  # loop, the moment reset nested in it and compact storage's loops take their
+  # tangents from a cond (_trees.run_if's JVP rule). Before, jax.grad failed from
+  # the second step (a while_loop has no reverse mode), and in a scan from the
+  # first. Checked against a central finite difference (tolerance 2 %).
   kw = dict(kw)
   inner = kw.pop("inner", None)
   rng = np.random.default_rng(3)
-  grads = [rng.normal(size=(4, 8)).astype(np.float32) for _ in range(3)]
+  grads = jnp.asarray(rng.normal(size=(3, 4, 8)).astype(np.float32))
   w0 = jnp.asarray(rng.normal(size=(4, 8)).astype(np.float32))
 
   def loss(lr):
@@ -929,12 +931,19 @@ def test_reverse_mode_through_unrolled_refreshes(kw):
     if inner == "compact":
       base = magma.sparse_state(base, mode="compact", density=0.5)
     tx = magma.periodic_mask(base, every=1, **kw)
-    p = {"w": w0}
-    state = tx.init(p)
-    for g in grads:
+
+    def step(carry, g):
+      p, state = carry
       u, state = tx.update({"w": g * p["w"]}, state, p)
-      p = optax.apply_updates(p, u)
-    return jnp.sum(p["w"] ** 2)
+      return (optax.apply_updates(p, u), state), None
+
+    carry = ({"w": w0}, tx.init({"w": w0}))
+    if loop == "scan":
+      carry, _ = jax.lax.scan(step, carry, grads)
+    else:
+      for g in grads:
+        carry, _ = step(carry, g)
+    return jnp.sum(carry[0]["w"] ** 2)
 
   got = float(jax.jit(jax.grad(loss))(0.01))
   h, value = 1e-3, jax.jit(loss)  # one compile, two calls

@@ -29,7 +29,7 @@ def test_map_like_with_masked_subtrees_shapes_and_more_trees():
 
 
 def test_run_if_runs_zero_or_one_step_and_is_reverse_differentiable():
-  # A loop of zero or one step (state updated in place); under jax.grad a
+  # A loop of zero or one step (state updated in place); its tangent comes from a
   # lax.cond, since a while_loop has no reverse mode.
   fn = lambda x: {"a": x["a"] * 3.0}
   x = {"a": jnp.arange(3.0)}
@@ -48,8 +48,8 @@ def test_run_if_runs_zero_or_one_step_and_is_reverse_differentiable():
 
 
 def test_run_if_nested_in_a_differentiated_run_if_is_reverse_differentiable():
-  # The outer cond traces its branch on plain tracers: the inner run_if sees no
-  # tangent in its operand, and must be a cond all the same.
+  # The outer loop traces its body on plain tracers: the inner run_if sees no
+  # tangent in its operand, and must still take its tangent from a cond.
   def loss(s, outer, inner):
     def fn(c):
       return _trees.run_if(inner, lambda d: {"a": d["a"] * 3.0}, {"a": c["a"] * 2.0})
@@ -60,3 +60,21 @@ def test_run_if_nested_in_a_differentiated_run_if_is_reverse_differentiable():
   for outer, inner, want in ((1, 1, 18.0), (1, 0, 6.0), (0, 1, 3.0), (0, 0, 3.0)):
     got = grad(jnp.asarray(1.0), jnp.asarray(bool(outer)), jnp.asarray(bool(inner)))
     assert float(got) == want
+
+
+def test_run_if_differentiates_what_fn_closes_over_also_inside_scan():
+  # The tangent flows through fn's closure (s), not the operand; in a scan the
+  # loop is traced before any tangent exists. Two steps: sum(x * s**2), d/ds = 6.
+  def loss(s, pred):
+    def body(c, _):
+      return _trees.run_if(pred, lambda x: {"a": x["a"] * s}, c), None
+
+    out, _ = jax.lax.scan(body, {"a": jnp.arange(3.0)}, None, length=2)
+    return jnp.sum(out["a"])
+
+  grad = jax.jit(jax.grad(loss))
+  assert float(grad(jnp.asarray(1.0), jnp.asarray(True))) == 6.0
+  assert float(grad(jnp.asarray(1.0), jnp.asarray(False))) == 0.0
+  # forward mode agrees
+  tangent = jax.jvp(lambda s: loss(s, jnp.asarray(True)), (1.0,), (1.0,))[1]
+  assert float(tangent) == 6.0
