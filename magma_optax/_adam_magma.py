@@ -351,9 +351,7 @@ def adam_magma(
     )
     return treedef.unflatten(out), new_state
 
-  return optax.GradientTransformationExtraArgs(
-    _compat.typed_init(init_fn, update_fn), update_fn
-  )
+  return optax.GradientTransformationExtraArgs(*_compat.typed(init_fn, update_fn))
 
 
 def _settle(pending: list[Any], b1: float) -> tuple[list[Any], list[Any], list[Any]]:

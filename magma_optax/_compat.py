@@ -10,6 +10,7 @@ not load Pallas, which only the kernels' Pallas path needs.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import math
 from typing import Any
@@ -291,9 +292,15 @@ def varying_like_body(body: Any, carry: Any) -> Any:
   return carry
 
 
-def typed_init(init_fn: Any, update_fn: Any, *, param_mask: bool = False) -> Any:
-  """``init_fn`` whose state, inside ``jax.shard_map``, has the types that
-  ``update_fn`` gives it back.
+# Set while a typed transform's init types its state, and while a typed update
+# runs: an init called there (an inner transform's, or a reset's initial values)
+# is not typed again. Each typing traces an update, and nested typings multiply.
+_UNTYPED = contextvars.ContextVar("magma_optax_untyped", default=False)
+
+
+def typed(init_fn: Any, update_fn: Any, *, param_mask: bool = False) -> tuple[Any, Any]:
+  """``(init, update)``: ``init_fn`` whose state, inside ``jax.shard_map``, has
+  the types that ``update_fn`` gives it back, and ``update_fn``.
 
   Inside ``shard_map`` a state leaf built from constants (a zero count, a score,
   ``False``) is typed as the same on every shard, and an update that mixes in the
@@ -302,28 +309,42 @@ def typed_init(init_fn: Any, update_fn: Any, *, param_mask: bool = False) -> Any
   fail, since their carry or branches must keep one type. Here the initial state
   is cast to the types of one traced update (gradients typed like the parameters,
   with ``param_mask`` a mask typed like them), as ``optax.adam``'s ``zeros_like``
-  moments are. Values do not change. Outside ``shard_map`` this is ``init_fn``
-  and nothing more is traced; an update that cannot be traced from ``params``
-  alone (it needs other extra args) leaves the state as ``init_fn`` built it.
+  moments are. Values do not change. Only the outermost transform types its state
+  (which holds its inner ones'). Outside ``shard_map`` this is ``init_fn`` and
+  nothing more is traced; an update that cannot be traced from ``params`` alone
+  (it needs other extra args) leaves the state as ``init_fn`` built it.
   """
 
   def init(params: Any) -> Any:
-    state = init_fn(params)
-    if not _manual_axes():
-      return state
-    extra = {}
-    if param_mask:
-      extra["param_mask"] = jax.tree.map(lambda p: p == p, params)
-
-    def step(s: Any) -> Any:
-      return update_fn(params, s, params, **extra)[1]
-
+    if _UNTYPED.get() or not _manual_axes():
+      return init_fn(params)
+    token = _UNTYPED.set(True)
     try:
-      return varying_like_body(step, state)
-    except Exception:  # noqa: BLE001 - only the types are sought; see above
-      return state
+      state = init_fn(params)
+      extra = {}
+      if param_mask:
+        extra["param_mask"] = jax.tree.map(lambda p: p == p, params)
 
-  return init
+      def step(s: Any) -> Any:
+        return update_fn(params, s, params, **extra)[1]
+
+      try:
+        return varying_like_body(step, state)
+      except Exception:  # noqa: BLE001 - only the types are sought; see above
+        return state
+    finally:
+      _UNTYPED.reset(token)
+
+  def update(*args: Any, **kwargs: Any) -> Any:
+    if _UNTYPED.get() or not _manual_axes():
+      return update_fn(*args, **kwargs)
+    token = _UNTYPED.set(True)
+    try:
+      return update_fn(*args, **kwargs)
+    finally:
+      _UNTYPED.reset(token)
+
+  return init, update
 
 
 def while_loop(cond_fun: Any, body_fun: Any, init: Any) -> Any:

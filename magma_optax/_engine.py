@@ -553,6 +553,4 @@ class BlockMask:
       del params, extra_args
       return self.step(updates, state)
 
-    return optax.GradientTransformationExtraArgs(
-      _compat.typed_init(init_fn, update_fn), update_fn
-    )
+    return optax.GradientTransformationExtraArgs(*_compat.typed(init_fn, update_fn))

@@ -118,5 +118,5 @@ def masked_weight_decay(
     )
 
   return optax.GradientTransformationExtraArgs(
-    _compat.typed_init(init_fn, update_fn, param_mask=True), update_fn
+    *_compat.typed(init_fn, update_fn, param_mask=True)
   )

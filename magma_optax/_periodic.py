@@ -516,7 +516,9 @@ def periodic_mask(
     if structure is not None or ranking == "per_leaf":
       # N:M groups never cross a leaf, so N:M leaves need no parts.
       whole = [i for i in idx if structure is not None or parts[i] is None]
-      for group in _trees.same_shape_groups([old[i] for i in whole], _STACKED):
+      for group in _trees.same_shape_groups(
+        [old[i] for i in whole], _STACKED, also=[scores[i] for i in whole]
+      ):
         leaves = [whole[j] for j in group]
         k = _topk.num_keep(target, scores[leaves[0]].size)
         if len(leaves) == 1:
@@ -565,6 +567,13 @@ def periodic_mask(
     if params is None:
       raise ValueError(
         "periodic_mask needs the parameters: call update(updates, state, params)."
+      )
+    if "param_mask" in extra_args:
+      raise ValueError(
+        "periodic_mask got a param_mask extra arg (from an enclosing periodic_mask,"
+        " or passed to update): it makes the parameter mask itself and hands it to"
+        " its inner optimizer, so it takes none. Use one periodic_mask per"
+        " parameter (group them with optax.multi_transform or where=)."
       )
     plans, treedef = plan(updates)
     plans = _scoping.match_state(plans, state.mask, treedef)
@@ -643,6 +652,4 @@ def periodic_mask(
     )
     return treedef.unflatten(out), new_state
 
-  return optax.GradientTransformationExtraArgs(
-    _compat.typed_init(init_fn, update_fn), update_fn
-  )
+  return optax.GradientTransformationExtraArgs(*_compat.typed(init_fn, update_fn))

@@ -2226,7 +2226,7 @@ def _transformation(
     )
 
   return optax.GradientTransformationExtraArgs(
-    _compat.typed_init(init_fn, update_fn, param_mask=True), update_fn
+    *_compat.typed(init_fn, update_fn, param_mask=True)
   )
 
 

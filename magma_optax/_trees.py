@@ -273,12 +273,20 @@ def _run_if_jvp(fn: Callable[..., Any], primals: Any, tangents: Any) -> Any:
   return out, treedef.unflatten(leaves)
 
 
-def same_shape_groups(arrays: Sequence[Any], max_size: int) -> list[list[int]]:
-  """Indices of ``arrays`` grouped by shape, dtype and explicit sharding, in order,
-  each group split so that it holds at most ``max_size`` entries (or one array)."""
+def same_shape_groups(
+  arrays: Sequence[Any], max_size: int, also: Sequence[Any] | None = None
+) -> list[list[int]]:
+  """Indices of ``arrays`` grouped by shape, dtype, explicit sharding and, inside
+  ``jax.shard_map``, the manual axes they vary along (stacked with a leaf split
+  along an axis, a replicated one would come back varying along it), in order,
+  each group split so that it holds at most ``max_size`` entries (or one array).
+  ``also``: arrays stacked alongside (one per entry of ``arrays``), whose dtype
+  and varying axes join the key."""
   groups: dict[Any, list[list[int]]] = {}
   for i, x in enumerate(arrays):
     key = (jnp.shape(x), jnp.result_type(x), _compat.explicit_spec(x))
+    for y in (x,) if also is None else (x, also[i]):
+      key += (jnp.result_type(y), _compat.varying(y))
     chunks = groups.setdefault(key, [[]])
     if chunks[-1] and (len(chunks[-1]) + 1) * math.prod(jnp.shape(x)) > max_size:
       chunks.append([])

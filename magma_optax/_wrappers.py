@@ -209,9 +209,7 @@ def magma(
     )
     return masked, MaskedUpdateState(inner, mask_state)
 
-  return optax.GradientTransformationExtraArgs(
-    _compat.typed_init(init_fn, update_fn), update_fn
-  )
+  return optax.GradientTransformationExtraArgs(*_compat.typed(init_fn, update_fn))
 
 
 def skip_update(
@@ -272,6 +270,4 @@ def skip_update(
     masked, mask_state = mask.update(deltas, state.mask_state, params)
     return masked, MaskedUpdateState(inner, mask_state)
 
-  return optax.GradientTransformationExtraArgs(
-    _compat.typed_init(init_fn, update_fn), update_fn
-  )
+  return optax.GradientTransformationExtraArgs(*_compat.typed(init_fn, update_fn))

@@ -648,21 +648,43 @@ def shard_map_local_steps(mesh):
       return carry[0]
     return jax.lax.scan(step, carry, ts)[0][0]
 
+  # A leaf replicated along x ("r", split along y only) whose shard has the shape
+  # of w's: leaves stacked into one ranking must not make it vary along x.
+  replicated = ("periodic_mask", "periodic_mask_nm_compact", "magma")
+  r_p = jax.random.normal(jax.random.fold_in(key, 2), (rows, 32))
+  r_g = jax.random.normal(jax.random.fold_in(key, 3), (rows, 32))
+  for name in replicated:
+    cases[f"{name}_with_a_replicated_leaf"] = cases[name]
+
   report = {}
   for name, tx in cases.items():
+    tree = name.endswith("_with_a_replicated_leaf")
+    p_in = {"w": p["w"], "r": r_p} if tree else p
+    g_in = {"w": g["w"], "r": r_g} if tree else g
+    specs = {k: spec if k == "w" else P(None, "y") for k in p_in}
     try:
       f = shard_map(
-        functools.partial(steps, tx), mesh=mesh, in_specs=(spec, spec), out_specs=spec
+        functools.partial(steps, tx),
+        mesh=mesh,
+        in_specs=(specs, specs),
+        out_specs=specs,
       )
-      got = np.asarray(jax.jit(f)(p, g)["w"])
+      got = {k: np.asarray(v) for k, v in jax.jit(f)(p_in, g_in).items()}
       local = jax.jit(functools.partial(steps, tx))
-      want = np.zeros_like(got)
+      diff = 0.0
       for i in range(mesh.shape["x"]):
         for j in range(mesh.shape["y"]):
-          at = (slice(i * rows, (i + 1) * rows), slice(j * cols, (j + 1) * cols))
-          piece = local({"w": p["w"][at]}, {"w": g["w"][at]})
-          want[at] = np.asarray(piece["w"])
-      report[name] = float(np.max(np.abs(got - want)))
+          at = {
+            "w": (slice(i * rows, (i + 1) * rows), slice(j * cols, (j + 1) * cols)),
+            "r": (slice(None), slice(j * cols, (j + 1) * cols)),
+          }
+          piece = local(
+            {k: v[at[k]] for k, v in p_in.items()},
+            {k: v[at[k]] for k, v in g_in.items()},
+          )
+          for k, v in piece.items():
+            diff = max(diff, float(np.max(np.abs(got[k][at[k]] - np.asarray(v)))))
+      report[name] = diff
     except Exception as e:  # noqa: BLE001 (the test shows it)
       report[name] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
   return report

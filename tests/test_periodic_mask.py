@@ -359,6 +359,20 @@ def test_bad_inputs_at_init_and_update():
   )
   with pytest.raises(ValueError, match="one score per entry"):
     tx.update(params, tx.init(params), params)
+  # It makes the parameter mask: one handed to it (nested in another periodic_mask,
+  # or passed by hand) is refused, not a TypeError from optax.chain.
+  tx = magma.periodic_mask(optax.sgd(0.1), sparsity=0.5, every=1)
+  with pytest.raises(ValueError, match="takes none"):
+    tx.update(params, tx.init(params), params, param_mask={"w": jnp.ones(4, bool)})
+  nested = magma.periodic_mask(
+    optax.chain(
+      magma.periodic_mask(optax.sgd(0.1), sparsity=0.5, every=1), optax.sgd(0.1)
+    ),
+    sparsity=0.25,
+    every=1,
+  )
+  with pytest.raises(ValueError, match="takes none"):
+    nested.update(params, nested.init(params), params)
 
 
 def test_top_k_with_heavy_ties_matches_numpy():

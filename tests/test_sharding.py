@@ -226,11 +226,16 @@ def test_transforms_run_inside_shard_map_as_on_each_shard(report):
   # adam_magma and every periodic_mask failed there with a while_loop or cond
   # TypeError (a constant carry against a varying body). And init's state has the
   # types of the updated state: before, the lax.scan over steps, MultiSteps and
-  # apply_if_finite failed (a state built from constants came back varying).
+  # apply_if_finite failed (a state built from constants came back varying). A
+  # leaf replicated along x stacked with one split along it came back varying.
   steps = report["shard_map_local_steps"]
-  assert len(steps) >= 10, steps
+  assert len(steps) >= 14, steps
   for name, diff in steps.items():
-    assert diff == 0.0, (name, diff)
+    # With the replicated leaf, the shards rank their two leaves apart and one
+    # shard alone ranks them stacked: the masks agree, and XLA fuses the Adam
+    # step around them differently (1-2 ulp).
+    tol = 1e-6 if name.endswith("_with_a_replicated_leaf") else 0.0
+    assert isinstance(diff, float) and diff <= tol, (name, diff)
 
 
 @pytest.mark.parametrize("granularity", ["tensor", "row", "column"])
