@@ -315,34 +315,36 @@ def typed(init_fn: Any, update_fn: Any, *, param_mask: bool = False) -> tuple[An
   (it needs other extra args) leaves the state as ``init_fn`` built it.
   """
 
+  def untyped(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    token = _UNTYPED.set(True)
+    try:
+      return fn(*args, **kwargs)
+    finally:
+      _UNTYPED.reset(token)
+
+  def typed_init(params: Any) -> Any:
+    state = init_fn(params)
+    extra = {}
+    if param_mask:
+      extra["param_mask"] = jax.tree.map(lambda p: p == p, params)
+
+    def step(s: Any) -> Any:
+      return update_fn(params, s, params, **extra)[1]
+
+    try:
+      return varying_like_body(step, state)
+    except Exception:  # noqa: BLE001 - only the types are sought; see above
+      return state
+
   def init(params: Any) -> Any:
     if _UNTYPED.get() or not _manual_axes():
       return init_fn(params)
-    token = _UNTYPED.set(True)
-    try:
-      state = init_fn(params)
-      extra = {}
-      if param_mask:
-        extra["param_mask"] = jax.tree.map(lambda p: p == p, params)
-
-      def step(s: Any) -> Any:
-        return update_fn(params, s, params, **extra)[1]
-
-      try:
-        return varying_like_body(step, state)
-      except Exception:  # noqa: BLE001 - only the types are sought; see above
-        return state
-    finally:
-      _UNTYPED.reset(token)
+    return untyped(typed_init, params)
 
   def update(*args: Any, **kwargs: Any) -> Any:
     if _UNTYPED.get() or not _manual_axes():
       return update_fn(*args, **kwargs)
-    token = _UNTYPED.set(True)
-    try:
-      return update_fn(*args, **kwargs)
-    finally:
-      _UNTYPED.reset(token)
+    return untyped(update_fn, *args, **kwargs)
 
   return init, update
 

@@ -263,7 +263,7 @@ def _run_if_jvp(fn: Callable[..., Any], primals: Any, tangents: Any) -> Any:
   real = [i for i, t in enumerate(leaves) if t.dtype != jax.dtypes.float0]
 
   def ran():
-    t = jax.jvp(lambda x, *c: fn(x, *c), (operand, *consts), (t_operand, *t_consts))[1]
+    t = jax.jvp(fn, (operand, *consts), (t_operand, *t_consts))[1]
     flat = treedef.flatten_up_to(t)
     return [flat[i] for i in real]
 
@@ -284,9 +284,14 @@ def same_shape_groups(
   and varying axes join the key."""
   groups: dict[Any, list[list[int]]] = {}
   for i, x in enumerate(arrays):
-    key = (jnp.shape(x), jnp.result_type(x), _compat.explicit_spec(x))
-    for y in (x,) if also is None else (x, also[i]):
-      key += (jnp.result_type(y), _compat.varying(y))
+    key = (
+      jnp.shape(x),
+      jnp.result_type(x),
+      _compat.explicit_spec(x),
+      _compat.varying(x),
+    )
+    if also is not None:
+      key += (jnp.result_type(also[i]), _compat.varying(also[i]))
     chunks = groups.setdefault(key, [[]])
     if chunks[-1] and (len(chunks[-1]) + 1) * math.prod(jnp.shape(x)) > max_size:
       chunks.append([])
