@@ -781,7 +781,7 @@ class _Skip(_Storage):
 
   def freeze(self, ctx, mask, new, old):
     del ctx
-    return new if mask is None else jnp.where(mask, new, old)
+    return new if mask is None else _freeze.kept(mask, new, old)
 
   def scatter(self, ctx, mask, u):
     del ctx
