@@ -861,6 +861,7 @@ def _equal_products(rows):
   return p, g
 
 
+@pytest.mark.machine_code
 @pytest.mark.parametrize("ranking", ["per_leaf", "global"])
 @pytest.mark.parametrize("importance", ["callable", "magnitude_grad"])
 def test_tiles_of_equal_entry_scores_tie(importance, ranking):
@@ -884,6 +885,7 @@ def test_tiles_of_equal_entry_scores_tie(importance, ranking):
   np.testing.assert_array_equal(np.asarray(state.mask["w"])[:, ::2], want)
 
 
+@pytest.mark.machine_code
 def test_tiles_rank_a_bfloat16_callable_on_its_rounded_output():
   # The callable computes in bfloat16; the tiles rank the sums of its (rounded)
   # outputs, as a reference on those outputs does. Fused into the sum, XLA skipped
