@@ -37,7 +37,9 @@ storage with its Adam step fused over the active tiles, the same model); and,
 outside optax's update/apply split, the tile step that scatter-adds into the donated
 parameters, 1 + 28 d. The model ratio is the model over 28. Rows marked
 ``on_error='record'`` compile no host callback for the mask checks (the default
-``"raise"`` does, and XLA:CPU then runs every step synchronously).
+``"raise"`` does, and XLA:CPU then runs every step synchronously); nor do the
+``periodic_mask`` rows, whose masks (a float sparsity ranked per leaf) are promised
+to fit.
 
 Within a round every configuration is measured once, interleaved (in a seeded
 shuffled order), so the ratios compare runs under the same machine load. Table 1

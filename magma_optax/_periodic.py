@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from typing import Any
 from typing import NamedTuple
 
@@ -235,6 +236,10 @@ def periodic_mask(
     groups): compact storage of :func:`sparse_state` inside raises a
     ``ValueError`` there, before any step, where that mask certainly cannot fit
     (the mask is assumed to reach it unchanged, as through optax's wrappers).
+    Ranking per leaf with a Python number for ``sparsity`` (or with
+    ``structure``), no later mask is denser, and its ``update`` promises that of
+    the mask arrays it passes: compact storage that holds the densest one then
+    compiles no host callback for its mask checks (see :func:`sparse_state`).
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -411,11 +416,19 @@ def periodic_mask(
       )
     unit = "entries" if block is None else f"{block[0]}x{block[1]} tiles"
     area = 1 if block is None else block[0] * block[1]
+    # Every mask keeps at most the first refresh's count where the sparsity is a
+    # Python number ranked per leaf: constant, or a ramp up from 0 (all-active
+    # before `start`). A schedule may lower it later; a global top-k shares out.
+    always = (
+      ranking == "per_leaf"
+      and isinstance(sparsity, numbers.Real)
+      and not isinstance(sparsity, bool)
+    )
     for name, shape, units, parts in leaves:
       size = math.prod(shape)
       if structure is not None:
         n, m = structure
-        nm = {"structure": structure, "axis": axis % len(shape)}
+        nm = {"structure": structure, "axis": axis % len(shape), "always": True}
         if start > 0:
           bounds[name] = _topk.MaskBound(shape, why, size, **nm)
         else:
@@ -445,8 +458,9 @@ def periodic_mask(
           )
       tiles = None if block is None else keep
       bounds[name] = _topk.MaskBound(
-        shape, what, keep * area * n_parts, exact, block, tiles, parts
-      )
+        shape, what, keep * area * n_parts, exact, block, tiles, parts,
+        always=always and exact,
+      )  # fmt: skip
     return bounds
 
   def init_fn(params):
@@ -631,9 +645,21 @@ def periodic_mask(
       ),
     )
     mask_tree = treedef.unflatten(masks)
-    inner_updates, inner_state = inner.update(
-      updates, inner_state, params, param_mask=mask_tree, **extra_args
-    )
+    # What every mask of the run is (counts, tiles, groups), promised to the inner
+    # update for these very mask arrays: sparse_state's compact storage then needs
+    # no host callback for a check they cannot fail.
+    bounds = bounds_of(plans, params)
+    promises = {}
+    for (path, x), m in zip(
+      jax.tree_util.tree_flatten_with_path(params)[0], masks, strict=True
+    ):
+      bound = bounds.get((jax.tree_util.keystr(path), id(x)))
+      if bound is not None and bound.always:
+        promises[id(m)] = bound
+    with _topk.mask_promises(promises):
+      inner_updates, inner_state = inner.update(
+        updates, inner_state, params, param_mask=mask_tree, **extra_args
+      )
     out = []
     for p, u, w, m in zip(
       plans, treedef.flatten_up_to(inner_updates), param_leaves, masks, strict=True

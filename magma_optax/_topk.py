@@ -599,6 +599,13 @@ class MaskBound(NamedTuple):
     axis: the N:M axis, non-negative.
     masked: ``False`` where the wrapper passes no mask for the leaf
       (``optax.MaskedNode``: it does not prune it); the counts are then ``None``.
+    always: whether *every* mask the wrapper hands the leaf is within this bound
+      by construction -- at most ``entries`` (``tiles``) active, made of whole
+      ``block`` tiles or ``structure`` groups -- not only the first refresh's
+      (:func:`magma_optax.periodic_mask` ranking per leaf with a Python number for
+      ``sparsity``: its counts never grow). Given at ``update``
+      (:func:`mask_promises`), it lets :func:`magma_optax.sparse_state` compile
+      no host callback for a check the leaf's masks cannot fail.
   """
 
   shape: tuple[int, ...]
@@ -611,6 +618,7 @@ class MaskBound(NamedTuple):
   structure: tuple[int, int] | None = None
   axis: int = 0
   masked: bool = True
+  always: bool = False
 
   @property
   def all_active(self) -> bool:
@@ -628,14 +636,41 @@ _MASK_BOUNDS: contextvars.ContextVar[dict[str, MaskBound] | None] = (
 
 
 @contextlib.contextmanager
-def mask_bounds(bounds: dict[tuple[str, int], MaskBound]):
-  """Makes ``bounds`` (by key path and ``id`` of the leaf) what :func:`mask_bound`
-  returns inside."""
-  token = _MASK_BOUNDS.set(bounds)
+def _setting(var: contextvars.ContextVar, value: Any):
+  token = var.set(value)
   try:
     yield
   finally:
-    _MASK_BOUNDS.reset(token)
+    var.reset(token)
+
+
+def mask_bounds(bounds: dict[tuple[str, int], MaskBound]):
+  """Makes ``bounds`` (by key path and ``id`` of the leaf) what :func:`mask_bound`
+  returns inside."""
+  return _setting(_MASK_BOUNDS, bounds)
+
+
+# What a wrapper's update promises of the masks it hands its inner update, by the
+# mask leaf's id (the very array passed as ``param_mask``: a wrapper in between that
+# makes new masks loses the promise, and its masks are checked as any others).
+_MASK_PROMISES: contextvars.ContextVar[dict[int, MaskBound] | None] = (
+  contextvars.ContextVar("magma_optax_mask_promises", default=None)
+)
+
+
+def mask_promises(promises: dict[int, MaskBound]):
+  """Makes ``promises`` (bounds with ``always``, by ``id`` of the mask leaf) what
+  :func:`mask_promise` returns inside."""
+  return _setting(_MASK_PROMISES, promises)
+
+
+def mask_promise(mask: Any) -> MaskBound | None:
+  """The bound that an enclosing :func:`mask_promises` promises of every value of
+  the mask leaf ``mask`` (this object, of the bound's shape), or ``None``."""
+  bound = (_MASK_PROMISES.get() or {}).get(id(mask))
+  if bound is None or not bound.always or bound.shape != tuple(jnp.shape(mask)):
+    return None
+  return bound
 
 
 def mask_bound(name: str, leaf: Any) -> MaskBound | None:
