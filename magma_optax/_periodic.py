@@ -236,7 +236,7 @@ def periodic_mask(
     groups): compact storage of :func:`sparse_state` inside raises a
     ``ValueError`` there, before any step, where that mask certainly cannot fit
     (the mask is assumed to reach it unchanged, as through optax's wrappers).
-    Ranking per leaf with a Python number for ``sparsity`` (or with
+    Ranking per leaf with a constant Python number for ``sparsity`` (or with
     ``structure``), no later mask is denser, and its ``update`` promises that of
     the mask arrays it passes: compact storage that holds the densest one then
     compiles no host callback for its mask checks (see :func:`sparse_state`).
@@ -416,9 +416,10 @@ def periodic_mask(
       )
     unit = "entries" if block is None else f"{block[0]}x{block[1]} tiles"
     area = 1 if block is None else block[0] * block[1]
-    # Every mask keeps at most the first refresh's count where the sparsity is a
-    # Python number ranked per leaf: constant, or a ramp up from 0 (all-active
-    # before `start`). A schedule may lower it later; a global top-k shares out.
+    # Every mask keeps at most the first refresh's count where the target is a
+    # constant Python number ranked per leaf (all-active before `start`). A
+    # schedule may lower it later (a ramp is one here: its first masks are
+    # all-active, which compact storage does not hold); a global top-k shares out.
     always = (
       ranking == "per_leaf"
       and isinstance(sparsity, numbers.Real)

@@ -46,8 +46,8 @@ transform). Per scoped leaf, one of two storages is used:
   same ``ValueError``, outside ``jit``, where the loop reads values anyway. Nothing
   is lost (no donated buffer is consumed by a failed step), and several devices
   need no mesh context.
-  **Inside** :func:`periodic_mask` ranking per leaf with a Python number for
-  ``sparsity`` (a constant, or a ramp up from 0), or with N:M ``structure``, the
+  **Inside** :func:`periodic_mask` ranking per leaf with a constant Python number
+  for ``sparsity`` (``schedule="constant"``), or with N:M ``structure``, the
   checks need no callback with the default either: every mask it hands a leaf has
   at most the first refresh's count, made of its tiles or groups, and it promises
   that of the very mask arrays it passes. Where that mask fits the storage (its
@@ -55,8 +55,9 @@ transform). Per scoped leaf, one of two storages is used:
   and compiles no callback for them (``periodic_mask(sparse_adam(...,
   block=(8, 128)))`` on a 72-leaf tree: 1.61x -> 1.11x ``optax.adam``). Only a
   ``periodic_mask`` state edited by hand can break the promise: the leaf is then
-  left on its stored set as in ``"record"`` (recorded there too; not raised).
-  A global top-k, a schedule for ``sparsity`` (which may fall), a traced target,
+  left on its stored set as in ``"record"`` (which records the failure; with
+  ``"raise"`` it is not reported).
+  A global top-k, a schedule or ramp for ``sparsity``, a traced target,
   another block, or a wrapper in between that makes new mask arrays: checked
   through the callback as elsewhere.
   Size ``density`` for the *densest* mask of the run: under a sparsity ramp the early
@@ -1504,10 +1505,10 @@ def sparse_state(
       step returns nothing; the callback's presence alone makes XLA:CPU run
       every step synchronously (the call waits for the step to finish), which
       cost ~0.2x of an Adam step on the 4 M-parameter tile benchmark.
-      Inside :func:`periodic_mask` with a Python number for ``sparsity``
-      ranked per leaf, or N:M ``structure``, its masks cannot fail the checks
-      (it promises that of them), and ``"raise"`` compiles no callback for them
-      either (module docstring).
+      Inside :func:`periodic_mask` with a constant Python number for
+      ``sparsity`` ranked per leaf, or N:M ``structure``, its masks cannot
+      fail the checks (it promises that of them), and ``"raise"`` compiles no
+      callback for them either (module docstring).
       ``"record"``: no callback; a leaf whose mask fails keeps its stored
       entries or tiles (its mask is replaced by them, and its stored moments
       take the step there) and gets a zero update; other leaves take their step.
