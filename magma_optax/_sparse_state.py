@@ -1023,8 +1023,12 @@ class _Tiles(_Storage):
     return self._overflow(n, unit, at_least) if n > self.capacity else None
 
   def bound_suffices(self, bound, parts=None):
+    # Every mask must be whole tiles: an all-active bound counts its tiles
+    # whatever masks come later, so the bound's own tiles must be made of these.
     n = self._bound_tiles(bound, parts)
-    return bound.exact and n is not None and n <= self.capacity
+    r, c = self.block
+    whole = bound.block is not None and not (bound.block[0] % r or bound.block[1] % c)
+    return bound.exact and whole and n is not None and n <= self.capacity
 
   def _bound_tiles(self, bound, parts=None):
     """The active ``r x c`` tiles (per part, with ``parts``) of the masks that

@@ -267,6 +267,12 @@ def test_a_state_edited_against_the_promise_leaves_the_leaf_as_it_was():
     ("tiles", dict(entries=32, block=None, tiles=None), False),  # entries
     ("tiles", dict(entries=32, block=(2, 4), tiles=4, exact=False), False),
     ("tiles", dict(entries=128, block=(2, 4), tiles=16), False),  # all active
+    # Storage that holds every tile: any mask of whole tiles fits, but an
+    # all-active bound of other tiles (masks before `start`) is followed by masks
+    # that are not whole tiles of this block.
+    ("all tiles", dict(entries=128, block=(2, 4), tiles=16), True),
+    ("all tiles", dict(entries=128, block=(1, 4), tiles=32), False),
+    ("all tiles", dict(entries=128, block=None, tiles=None), False),
     ("flat", dict(entries=32), True),
     ("flat", dict(entries=33), False),
     ("flat", dict(entries=None), False),
@@ -279,11 +285,12 @@ def test_a_state_edited_against_the_promise_leaves_the_leaf_as_it_was():
 )
 def test_which_bounds_suffice_for_a_storage(storage, bound, suffices):
   # The step's checks cannot fail for any mask within the bound exactly when
-  # bound_suffices says so; every storage keeps 32 of the 128 entries here (N:M 2:4
-  # along the last axis: 64).
+  # bound_suffices says so; the storages keep 32 of the 128 entries here (N:M 2:4
+  # along the last axis: 64; "all tiles": all 128).
   shape = SHAPE
   make = {
     "tiles": lambda: _sparse_state._Tiles(shape, "w", BLOCK, 4, "4"),
+    "all tiles": lambda: _sparse_state._Tiles(shape, "w", BLOCK, 16, "16"),
     "flat": lambda: _sparse_state._Compact(shape, "w", 32, "32"),
     "N:M": lambda: _sparse_state._Grouped(
       shape, "w", _sparse_state._Groups(shape, 1, 2, 4)
