@@ -1014,9 +1014,7 @@ class _Tiles(_Storage):
     are the same, and are not known otherwise."""
     n = self._bound_tiles(bound, parts)
     if n is None:
-      r, c = self.block
-      untiled = bound.block is None or bound.block[0] % r or bound.block[1] % c
-      if bound.entries is not None and bound.exact and untiled:
+      if bound.entries is not None and bound.exact and not self._tiled(bound):
         return self._untiled(bound)
       return None
     at_least = not bound.exact
@@ -1026,9 +1024,12 @@ class _Tiles(_Storage):
     # Every mask must be whole tiles: an all-active bound counts its tiles
     # whatever masks come later, so the bound's own tiles must be made of these.
     n = self._bound_tiles(bound, parts)
+    return bound.exact and self._tiled(bound) and n is not None and n <= self.capacity
+
+  def _tiled(self, bound):
+    """Whether ``bound``'s masks are made of tiles that are whole numbers of these."""
     r, c = self.block
-    whole = bound.block is not None and not (bound.block[0] % r or bound.block[1] % c)
-    return bound.exact and whole and n is not None and n <= self.capacity
+    return bound.block is not None and not (bound.block[0] % r or bound.block[1] % c)
 
   def _bound_tiles(self, bound, parts=None):
     """The active ``r x c`` tiles (per part, with ``parts``) of the masks that
@@ -1036,14 +1037,12 @@ class _Tiles(_Storage):
     they may not be, or their count is not known."""
     if bound.all_active:
       return self.num_tiles
-    r, c = self.block
-    if bound.entries is None or bound.block is None:
-      return None
-    if bound.block[0] % r or bound.block[1] % c or bound.tiles is None:
+    if bound.entries is None or bound.tiles is None or not self._tiled(bound):
       return None
     if parts is not None and bound.parts != parts:
       return None
     # Tiles of r x c per tile of the bound, times the bound's parts per this one.
+    r, c = self.block
     per = (bound.block[0] // r) * (bound.block[1] // c)
     if parts is None:
       per *= math.prod(bound.parts or (1,))
