@@ -14,8 +14,10 @@ default level.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -29,7 +31,34 @@ if os.environ.get("MAGMA_TEST_LLVM_O0", "1") != "0" and not os.environ.get(
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_O0}".strip()
 
 
+_CACHE = "MAGMA_TEST_COMPILATION_CACHE"
+
+
+def _share_compilations(config):
+  """One persistent compilation cache (jax's own) for the processes of one pytest
+  run: both pytest-xdist workers and the machine-code subprocesses compile many of
+  the same small programs (the eager ops of ``init``, the same steps in several
+  modules). The controller makes the folder, the workers inherit its name, and it
+  is removed when the run ends; ``MAGMA_TEST_COMPILATION_CACHE=0`` switches it off.
+  Every compile is stored (no minimum time or size). What a compile produces does
+  not change, only where it comes from; a test that counts compiles counts the
+  cache's hits as compiles too."""
+  folder = os.environ.get(_CACHE)
+  if folder == "0":
+    return
+  if not folder:  # the controller (or a run without xdist)
+    folder = tempfile.mkdtemp(prefix="magma_test_compilations_")
+    os.environ[_CACHE] = folder
+    config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+  import jax
+
+  jax.config.update("jax_compilation_cache_dir", folder)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
 def pytest_configure(config):
+  _share_compilations(config)
   config.addinivalue_line(
     "markers",
     "machine_code: checks the machine code LLVM makes; runs in a subprocess at the"
