@@ -34,17 +34,20 @@ def is_tracer(value: Any) -> bool:
   return isinstance(value, jax.core.Tracer)
 
 
-def hoist_closure(fn: Any, operand: Any) -> tuple[Any, list[Any]]:
+def hoist_closure(
+  fn: Any, operand: Any, traced: tuple[Any, Any] | None = None
+) -> tuple[Any, list[Any]]:
   """``fn`` as a function of ``operand`` and of every value it closes over,
   passed explicitly: ``fn(operand) == converted(operand, *consts)``.
 
   Unlike ``jax.closure_convert``, which keeps the values that it cannot
   differentiate closed over, every value is hoisted, so the converted function
   holds no tracer of the trace it was built in (a custom rule may call it later,
-  from another trace). ``fn`` is traced once, on ``operand``'s types; the jaxpr
-  runs through ``jax.extend.core``.
+  from another trace). ``fn`` is traced once, on ``operand``'s types (``traced``:
+  that trace, ``jax.make_jaxpr(fn, return_shape=True)(operand)``, already made);
+  the jaxpr runs through ``jax.extend.core``.
   """
-  closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(operand)
+  closed, out_shape = traced or jax.make_jaxpr(fn, return_shape=True)(operand)
   jaxpr, out_tree = closed.jaxpr, jax.tree.structure(out_shape)
 
   def converted(x: Any, *consts: Any) -> Any:
@@ -52,6 +55,17 @@ def hoist_closure(fn: Any, operand: Any) -> tuple[Any, list[Any]]:
     return out_tree.unflatten(run(*jax.tree.leaves(x)))
 
   return converted, list(closed.consts)
+
+
+def replay(traced: tuple[Any, Any]) -> Any:
+  """The function that ``jax.make_jaxpr(fn, return_shape=True)(*args)`` traced,
+  as its jaxpr: called on arguments of the same types, it gives ``fn``'s outputs
+  without tracing ``fn`` again (nested loops and branches would each trace their
+  bodies once more)."""
+  closed, out_shape = traced
+  run = jax.extend.core.jaxpr_as_fun(closed)
+  out_tree = jax.tree.structure(out_shape)
+  return lambda *args: out_tree.unflatten(run(*jax.tree.leaves(args)))
 
 
 def batched(tree: Any) -> bool:
@@ -277,19 +291,27 @@ def varying_like_body(body: Any, carry: Any) -> Any:
   varying once the body mixes in the local shard's values. Outside ``shard_map``
   ``carry`` is returned as it is, and nothing is traced.
   """
-  axes = _manual_axes()
-  if not axes:
-    return carry
+  return typed_carry(body, carry)[0]
+
+
+def typed_carry(body: Any, carry: Any) -> tuple[Any, tuple[Any, Any] | None]:
+  """``(carry, traced)``: the carry of :func:`varying_like_body`, and inside
+  ``jax.shard_map`` the trace of ``body`` on it that found its types
+  (``jax.make_jaxpr(body, return_shape=True)(carry)``, for :func:`replay` and
+  :func:`hoist_closure`), else None."""
+  if not _manual_axes():
+    return carry, None
   for _ in range(len(jax.tree.leaves(carry)) + 1):  # each pass adds an axis or stops
-    out = jax.make_jaxpr(body)(carry).out_avals
+    traced = jax.make_jaxpr(body, return_shape=True)(carry)
+    out = traced[0].out_avals
     leaves, treedef = jax.tree.flatten(carry)
     if len(out) != len(leaves):
-      return carry
+      return carry, traced
     cast = [vary_along(x, _varying_aval(y)) for x, y in zip(leaves, out, strict=True)]
     if all(c is x for c, x in zip(cast, leaves, strict=True)):
-      break
+      return carry, traced
     carry = treedef.unflatten(cast)
-  return carry
+  return carry, None
 
 
 # Set while a typed transform's init types its state, and while a typed update
@@ -352,7 +374,10 @@ def typed(init_fn: Any, update_fn: Any, *, param_mask: bool = False) -> tuple[An
 def while_loop(cond_fun: Any, body_fun: Any, init: Any) -> Any:
   """``jax.lax.while_loop``, also inside ``jax.shard_map`` where the body makes a
   constant initial carry vary (:func:`varying_like_body`)."""
-  return jax.lax.while_loop(cond_fun, body_fun, varying_like_body(body_fun, init))
+  init, traced = typed_carry(body_fun, init)
+  if traced is not None:  # the body as traced for its types, not traced again
+    body_fun = replay(traced)
+  return jax.lax.while_loop(cond_fun, body_fun, init)
 
 
 def fori_loop(lower: int, upper: Any, body_fun: Any, init: Any) -> Any:
@@ -368,7 +393,11 @@ def cond(pred: Any, true_fun: Any, false_fun: Any, *operands: Any) -> Any:
   axes = _manual_axes()
   if not axes:
     return jax.lax.cond(pred, true_fun, false_fun, *operands)
-  outs = [jax.make_jaxpr(f)(*operands).out_avals for f in (true_fun, false_fun)]
+  # Each branch traced once: for its types, then replayed as the branch.
+  traced = [
+    jax.make_jaxpr(f, return_shape=True)(*operands) for f in (true_fun, false_fun)
+  ]
+  outs = [closed.out_avals for closed, _ in traced]
   union = [_varying_aval(a) | _varying_aval(b) for a, b in zip(*outs, strict=True)]
 
   def cast(fun):
@@ -380,4 +409,5 @@ def cond(pred: Any, true_fun: Any, false_fun: Any, *operands: Any) -> Any:
 
     return branch
 
+  true_fun, false_fun = (replay(t) for t in traced)
   return jax.lax.cond(pred, cast(true_fun), cast(false_fun), *operands)

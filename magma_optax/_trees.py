@@ -229,14 +229,18 @@ def run_if(pred: jax.Array, fn: Callable[[Any], Any], operand: Any) -> Any:
   """
   # Inside shard_map, the operand typed as the loop's carry will be: the hoisted
   # jaxpr then runs on what it was traced on.
-  operand = _compat.varying_like_body(fn, operand)
-  converted, consts = _compat.hoist_closure(fn, operand)
+  operand, traced = _compat.typed_carry(fn, operand)
+  converted, consts = _compat.hoist_closure(fn, operand, traced)
   return _run_if(converted, pred, operand, *consts)
 
 
 def _loop_if(fn: Callable[..., Any], pred: Any, operand: Any, *consts: Any) -> Any:
-  """``run_if`` as a loop of zero or one step, ``fn`` taking ``consts`` too."""
-  return _compat.while_loop(
+  """``run_if`` as a loop of zero or one step, ``fn`` taking ``consts`` too.
+
+  ``run_if`` typed ``operand`` as ``fn`` gives it back, and the body gives ``pred``
+  its own type: the carry keeps its type without a trace to find it (inside
+  ``jax.shard_map`` that trace would run ``fn``'s whole jaxpr once more)."""
+  return jax.lax.while_loop(
     # The body's predicate is the constant False (XLA then sees one step at
     # most, and keeps fewer buffers), typed like `pred` inside shard_map.
     lambda c: c[0],
