@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
 from magma_optax import _trees
 
@@ -78,3 +79,55 @@ def test_run_if_differentiates_what_fn_closes_over_also_inside_scan():
   # forward mode agrees
   tangent = jax.jvp(lambda s: loss(s, jnp.asarray(True)), (1.0,), (1.0,))[1]
   assert float(tangent) == 6.0
+
+
+def test_inside_shard_map_bodies_are_traced_once_for_their_types():
+  # Inside shard_map a loop's carry and a cond's outputs are cast to the types the
+  # body gives them; the trace that finds those types is replayed as the body, so
+  # nested loops and branches do not trace their bodies again at every level.
+  from magma_optax import _compat
+
+  mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+  calls = {"body": 0, "true": 0, "false": 0, "fn": 0}
+
+  def body(c):  # a constant count made to vary by the shard's values
+    calls["body"] += 1
+    i, n, x = c
+    return i + 1, n + jnp.sum(x > 0).astype(jnp.int32), x
+
+  def local(x):
+    _, n, _ = _compat.while_loop(
+      lambda c: c[0] < 2, body, (jnp.int32(0), jnp.int32(0), x)
+    )
+
+    def true_fun(x):
+      calls["true"] += 1
+      return x * 2.0, jnp.sum(x)  # varies along x
+
+    def false_fun(x):
+      calls["false"] += 1
+      return x, jnp.float32(0.0)  # a constant: cast to vary along x
+
+    y, s = _compat.cond(n > 2, true_fun, false_fun, x)
+
+    def fn(c):
+      calls["fn"] += 1
+      return {"a": c["a"] + x.sum(), "k": c["k"] + 1}
+
+    z = _trees.run_if(n > 0, fn, {"a": jnp.float32(0.0), "k": jnp.int32(0)})
+    return y, s[None], z["a"][None], z["k"][None]
+
+  f = jax.shard_map(local, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+  x = jnp.arange(-1.0, 3.0)
+  y, s, a, k = jax.jit(f)(x)
+  assert y.tolist() == [-2.0, 0.0, 2.0, 4.0] and s.tolist() == [2.0]
+  assert a.tolist() == [2.0] and k.tolist() == [1]
+  # One pass finds a type to cast, the next finds none: two traces, no third.
+  assert calls["body"] == 2, calls
+  assert calls["true"] == 1 and calls["false"] == 1, calls  # no retrace by lax.cond
+  assert calls["fn"] == 2, calls  # run_if: typing (2) then replayed in its loop
+  # The same outside shard_map: each body traced once by lax itself.
+  calls.update(body=0, true=0, false=0, fn=0)
+  y2, *_ = jax.jit(local)(x)
+  assert y2.tolist() == y.tolist()
+  assert calls == {"body": 1, "true": 1, "false": 1, "fn": 1}, calls
