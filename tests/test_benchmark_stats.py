@@ -52,3 +52,17 @@ def test_median_ci_is_the_range_at_six_and_nothing_below(bench):
   assert bench.median_ci(list(range(25))) == (7, 17)
   # 90%: 5 rounds suffice (coverage 1 - 2/32 = 0.9375).
   assert bench.median_ci([5.0, 1.0, 4.0, 2.0, 3.0], level=0.9) == (1.0, 5.0)
+
+
+def test_launch_cost_script_runs_both_parts():
+  # A smoke test at tiny sizes: what it prints are timings, never asserted here.
+  out = _benchmarks.load("launch_cost.py").main(
+    ["--width", "128", "--layers", "1", "--leaves", "2", "--size", "256"]
+    + ["--steps", "2", "--rounds", "1", "--calls", "2"]
+  )
+  ((plain, looped),) = out["toy"].values()
+  assert plain > 0 and looped > 0
+  tree = out["tree"]
+  assert set(tree) == {"optax.adam", "periodic_mask(sparse_adam tiles 8x128)"}
+  assert tree["optax.adam"][2] == 1 + 2 * 6  # count, mu and nu of 6 matrices
+  assert all(launch > 0 and total >= launch for launch, total, _ in tree.values())
