@@ -250,6 +250,19 @@ def like_auto(fn: Any, like: jax.Array, *args: Any, axes: int | None = None) -> 
     return jax.sharding.auto_axes(fn, out_sharding=out)(*args)
 
 
+def partitionable() -> bool:
+  """Whether XLA may partition the step being traced over several devices: its
+  sharding propagation then runs across the step, and one computation over
+  several leaves ties their shardings together (it may pick one leaf's for
+  another's output). ``False`` in a one-device process and inside a
+  ``jax.shard_map`` whose mesh axes are all manual (each device runs its own)."""
+  if jax.device_count() == 1:
+    return False
+  mesh = jax.sharding.get_abstract_mesh()
+  manual = jax.sharding.AxisType.Manual
+  return mesh.empty or any(t != manual for t in mesh.axis_types)
+
+
 def _manual_axes() -> tuple[str, ...]:
   """The mesh axes of the enclosing ``jax.shard_map`` (empty outside one)."""
   mesh = jax.sharding.get_abstract_mesh()

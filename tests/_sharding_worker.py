@@ -649,19 +649,30 @@ def shard_map_local_steps(mesh):
     return jax.lax.scan(step, carry, ts)[0][0]
 
   # A leaf replicated along x ("r", split along y only) whose shard has the shape
-  # of w's: leaves stacked into one ranking must not make it vary along x.
+  # of w's: leaves stacked into one ranking (or tile storage's leaves of one tile
+  # count, prepared together) must not make it vary along x.
   replicated = ("periodic_mask", "periodic_mask_nm_compact", "magma")
+  if "periodic_mask_tiles_sparse_adam" in cases:
+    replicated += ("periodic_mask_tiles_sparse_adam",)
   r_p = jax.random.normal(jax.random.fold_in(key, 2), (rows, 32))
   r_g = jax.random.normal(jax.random.fold_in(key, 3), (rows, 32))
   for name in replicated:
     cases[f"{name}_with_a_replicated_leaf"] = cases[name]
+  # A second leaf split as w is ("t"): tile storage prepares the two together
+  # inside shard_map (on each shard alone, in this 8-device process, apart).
+  if "periodic_mask_tiles_sparse_adam" in cases:
+    cases["periodic_mask_tiles_sparse_adam_with_a_twin_leaf"] = cases[
+      "periodic_mask_tiles_sparse_adam"
+    ]
 
   report = {}
   for name, tx in cases.items():
     tree = name.endswith("_with_a_replicated_leaf")
     p_in = {"w": p["w"], "r": r_p} if tree else p
     g_in = {"w": g["w"], "r": r_g} if tree else g
-    specs = {k: spec if k == "w" else P(None, "y") for k in p_in}
+    if name.endswith("_with_a_twin_leaf"):
+      p_in, g_in = {**p, "t": 0.5 * p["w"]}, {**g, "t": -g["w"]}
+    specs = {k: P(None, "y") if k == "r" else spec for k in p_in}
     try:
       f = shard_map(
         functools.partial(steps, tx),
@@ -678,6 +689,7 @@ def shard_map_local_steps(mesh):
             "w": (slice(i * rows, (i + 1) * rows), slice(j * cols, (j + 1) * cols)),
             "r": (slice(None), slice(j * cols, (j + 1) * cols)),
           }
+          at["t"] = at["w"]
           piece = local(
             {k: v[at[k]] for k, v in p_in.items()},
             {k: v[at[k]] for k, v in g_in.items()},

@@ -3,6 +3,7 @@
 import contextlib
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import magma_optax as magma
+from magma_optax import _sparse_state
 
 B1, B2, EPS, LR = 0.9, 0.999, 1e-8, 0.05
 
@@ -763,6 +765,135 @@ def test_tile_compact_matches_numpy_with_regrowth(shape, block):
       assert np.all(got[n:] == 0)
   assert regrown >= 2  # tiles came back and restarted from zero moments
   assert step._cache_size() == 1
+
+
+# Leaves of one tile count and capacity are prepared together (one stack of their
+# tiles): (8, 12) and (12, 8) both have 12 tiles of 2x4, (4, 8) has 4.
+GROUPED_SHAPES = {"a": (8, 12), "b": (8, 12), "c": (12, 8), "d": (8, 12), "e": (4, 8)}
+
+
+@pytest.mark.parametrize("factory", ["sparse_state", "sparse_adam"])
+def test_tile_leaves_prepared_together_match_numpy_per_leaf(factory):
+  # Five leaves: four of 12 tiles of 2x4 (one batch, shapes differ), one of 4
+  # (alone); every leaf's tiles drawn at random each step, so tiles move, regrow
+  # and the stored sets change in some leaves and not in others.
+  block, density = (2, 4), 0.5
+  rng = np.random.default_rng(3)
+  masks, grads = {}, {}
+  for k, shape in GROUPED_SHAPES.items():
+    tiles = (shape[0] // 2, shape[1] // 4)
+    masks[k] = tile_masks(rng, (), tiles, block, 6, 0.4)
+    for m in masks[k]:  # at most the capacity: 6 of 12 tiles (2 of 4)
+      t = m[::2, ::4]
+      if t.sum() > t.size // 2:
+        m[:] = False
+    grads[k] = [rng.normal(size=shape).astype(np.float32) for _ in masks[k]]
+  if factory == "sparse_state":
+    tx = magma.sparse_state(
+      optax.adam(LR, b1=B1, b2=B2, eps=EPS), mode="compact", density=density,
+      block=block,
+    )  # fmt: skip
+  else:
+    tx = magma.sparse_adam(
+      LR, b1=B1, b2=B2, eps=EPS, mode="compact", density=density, block=block
+    )
+  params = {k: jnp.zeros(s) for k, s in GROUPED_SHAPES.items()}
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  refs = {k: np_tile_adam(grads[k], masks[k]) for k in GROUPED_SHAPES}
+  for t in range(6):
+    u, state = step(
+      {k: grads[k][t] for k in params},
+      state,
+      params,
+      param_mask={k: jnp.asarray(masks[k][t]) for k in params},
+    )
+    for k in params:
+      np.testing.assert_allclose(
+        np.asarray(u[k]), refs[k][t][0], rtol=2e-5, atol=1e-7, err_msg=k
+      )
+  assert step._cache_size() == 1
+
+
+def scatter_ops(tx, params, mask):
+  """The scatters of a jitted tile step (its index builds and slot maps)."""
+  grads = jax.tree.map(jnp.ones_like, params)
+
+  def fn(p, s, m):  # everything an argument: XLA would merge equal constants
+    return tx.update(grads, s, p, param_mask=m)
+
+  hlo = jax.jit(fn).lower(params, tx.init(params), mask).compile().as_text()
+  entry = hlo[hlo.index("\nENTRY") :]
+  entry = entry[: entry.index("\n}")]
+  # The scatters themselves, and fusions that call a computation holding one.
+  bodies = {}
+  for part in hlo.split("\n\n"):
+    head = re.match(r"\s*(%\S+)", part)
+    if head:
+      bodies[head.group(1)] = part
+  called = re.findall(r" fusion\(.*?calls=(%[\w.\-]+)", entry)
+  return len(re.findall(r" scatter\(", entry)) + sum(
+    bool(re.search(r" scatter\(", bodies.get(c, ""))) for c in called
+  )
+
+
+def test_tile_leaves_of_one_shape_build_their_indices_in_one_computation():
+  # Per leaf, the step builds its tiles' slots (a scatter) and the slot map that
+  # expands its update (another): on a transformer's 72 leaves some 20 small
+  # launches each, more than the bytes on XLA:CPU. Leaves of one tile count and
+  # capacity do it over one stack: the count does not grow with the leaves.
+  block = (2, 4)
+  tx = magma.sparse_adam(
+    LR, mode="compact", density=0.5, block=block, on_error="record"
+  )
+
+  def count(n):
+    params = {f"w{i}": jnp.zeros((8, 12)) for i in range(n)}
+    mask = {
+      k: jnp.ones((8, 12), bool).at[: i % 4].set(False) for i, k in enumerate(params)
+    }
+    return scatter_ops(tx, params, mask)
+
+  assert count(6) == count(2) > 0
+  # The control: one computation per leaf, as before.
+  saved = _sparse_state._Tiles.batch_key
+  _sparse_state._Tiles.batch_key = lambda self: None
+  try:
+    assert count(6) == 3 * count(2) > 0
+  finally:
+    _sparse_state._Tiles.batch_key = saved
+
+
+def test_tile_leaf_failing_in_a_batch_is_the_one_recorded():
+  # Record mode: one leaf of a batch gets a mask over its capacity, another one
+  # not made of whole tiles; each keeps its stored tiles and gets no update, the
+  # others step, and the first failure is the one recorded.
+  block = (2, 4)
+  tx = magma.sparse_adam(
+    LR, mode="compact", density=0.25, block=block, on_error="record"
+  )
+  params = {k: jnp.zeros((8, 16)) for k in ("a", "b", "c")}
+  ok = jnp.zeros((8, 16), bool).at[:2, :8].set(True)  # 2 of 16 tiles
+  grads = {k: jnp.full((8, 16), 0.5) for k in params}
+  step = jax.jit(tx.update)
+  _, state = step(grads, tx.init(params), params, param_mask={k: ok for k in params})
+  over = jnp.zeros((8, 16), bool).at[:4, :].set(True)  # 8 tiles: capacity 4
+  untiled = ok.at[0, 0].set(False)
+  u, after = step(grads, state, params, param_mask={"a": ok, "b": over, "c": untiled})
+  np.testing.assert_array_equal(np.asarray(u["b"]), 0.0)
+  np.testing.assert_array_equal(np.asarray(u["c"]), 0.0)
+  assert np.all(np.asarray(u["a"])[:2, :8] != 0)
+  assert np.all(np.asarray(u["a"])[2:] == 0)
+  bits = after.stored_bits
+  np.testing.assert_array_equal(
+    np.asarray(bits["b"]), np.asarray(state.stored_bits["b"])
+  )
+  with pytest.raises(ValueError, match=r"leaf \['b'\].*8 active tiles"):
+    magma.check_sparse_state(after)
+  # The other failure alone is recorded for its own leaf.
+  _, after = step(grads, state, params, param_mask={"a": ok, "b": ok, "c": untiled})
+  with pytest.raises(ValueError, match=r"\['c'\] is not made of whole 2x4 tiles"):
+    magma.check_sparse_state(after)
 
 
 def tile_history(mode, shapes, block, steps=7):
