@@ -565,9 +565,11 @@ def main():
   params = make_params(args.width, args.layers)
   grads = jax.tree.map(lambda x: jnp.full_like(x, 0.01), params)
   n = sum(x.size for x in jax.tree.leaves(params))
+  # The tile table (--tiles) builds its own tree and names it in its header.
+  tree = "" if args.tiles else f" {n:,} parameters ({args.layers} x"
+  tree += "" if args.tiles else f" [{args.width}x{args.width} + bias]);"
   print(
-    f"# jax {jax.__version__} on {jax.devices()[0].platform};"
-    f" {n:,} parameters ({args.layers} x [{args.width}x{args.width} + bias]);"
+    f"# jax {jax.__version__} on {jax.devices()[0].platform};{tree}"
     f" {args.steps} steps x {args.repeats} rounds"
     f"{'; params and state donated' if args.donate else ''}"
   )
