@@ -1092,15 +1092,7 @@ class _Tiles(_Storage):
     )
 
   def prepare(self, mask, bits, grad, whole=False, record=False):
-    _reject_explicit(grad, mask, "compact tile storage", "tiles")
-    flat, differ = self.tiles_of(mask, whole)
-    # Recording, a mask that fails the checks is replaced by the stored tiles.
-    fallback = differ if record else None
-    idx, new_bits, changed, n_active = self.tile_set(flat, bits, fallback)
-    check = _Check(
-      differ | (n_active > self.capacity), self._problem, (differ, n_active)
-    )
-    return idx, new_bits, changed, check
+    return self.prepare_group([self], [mask], [bits], [grad], [whole], record)[0]
 
   def batch_key(self):
     return (_Tiles, self.num_tiles, self.capacity)
@@ -1118,6 +1110,7 @@ class _Tiles(_Storage):
       flat.append(f)
       differ.append(d)
     flat, differ = jnp.stack(flat), jnp.stack(differ)
+    # Recording, a mask that fails the checks is replaced by the stored tiles.
     fallback = differ if record else None
     idx, new_bits, changed, n_active = jax.vmap(storages[0].tile_set)(
       flat, jnp.stack(bits), fallback
