@@ -6,7 +6,8 @@ of 918 s on jax 0.10.2 (2-core AMD EPYC, 2026-12-03). What the tests check -- va
 against references, the optimized HLO (copies, fusions, buffers), sharding --
 does not depend on LLVM's level. A test whose subject is the machine code LLVM
 makes (a fused multiply-add breaking a tie, a masked store) is marked
-``@pytest.mark.machine_code``: it runs in a subprocess at the default level. A
+``@pytest.mark.machine_code``: it runs in a subprocess at the default level (one
+subprocess for a module's marked tests, started by the first of them). A
 user's own ``XLA_FLAGS`` are kept; ``MAGMA_TEST_LLVM_O0=0`` runs everything at the
 default level.
 """
@@ -18,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from xml.etree import ElementTree
 
 import pytest
 
@@ -66,25 +68,64 @@ def pytest_configure(config):
   )
 
 
+_MACHINE_CODE_RUNS: dict[str, dict[str, tuple[str, str]]] = {}
+
+
+def _run_at_default_level(items) -> dict[str, tuple[str, str]]:
+  """Runs ``items`` (one module's machine-code tests) in one pytest subprocess at
+  LLVM's default level: per test name, its outcome and message (from a JUnit XML
+  report), so that the module's tests share one interpreter start."""
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = env["XLA_FLAGS"].replace(_O0, "").strip()
+  env[_IN_SUBPROCESS] = "1"
+  with tempfile.TemporaryDirectory() as tmp:
+    report = os.path.join(tmp, "report.xml")
+    done = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
+       f"--junitxml={report}", *(item.nodeid for item in items)],
+      cwd=str(items[0].config.rootpath), env=env, capture_output=True, text=True,
+      timeout=600,
+    )  # fmt: skip
+    cases = (
+      ElementTree.parse(report).getroot().iter("testcase")
+      if os.path.exists(report)
+      else ()
+    )
+    results = {}
+    for case in cases:
+      outcome, text = "passed", ""
+      for child in case:
+        if child.tag in ("failure", "error", "skipped"):
+          outcome = child.tag
+          text = f"{child.get('message', '')}\n{child.text or ''}"
+      results[case.get("name")] = (outcome, text)
+  log = f"{done.stdout[-6000:]}\n{done.stderr[-3000:]}"
+  return {item.name: results.get(item.name, ("missing", log)) for item in items}
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem):
   if pyfuncitem.get_closest_marker("machine_code") is None:
     return None
   if _O0 not in os.environ.get("XLA_FLAGS", ""):
     return None  # already at the default level: run here
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = env["XLA_FLAGS"].replace(_O0, "").strip()
-  env[_IN_SUBPROCESS] = "1"
-  rootdir = str(pyfuncitem.config.rootpath)
-  done = subprocess.run(
-    [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
-     pyfuncitem.nodeid],
-    cwd=rootdir, env=env, capture_output=True, text=True, timeout=600,
-  )  # fmt: skip
-  if done.returncode != 0:
+  module = pyfuncitem.nodeid.split("::")[0]
+  if pyfuncitem.name not in _MACHINE_CODE_RUNS.get(module, {}):
+    same = [
+      item
+      for item in pyfuncitem.session.items
+      if item.nodeid.split("::")[0] == module
+      and item.get_closest_marker("machine_code") is not None
+    ]
+    if len({item.name for item in same}) != len(same):  # names not unique: alone
+      same = [pyfuncitem]
+    _MACHINE_CODE_RUNS.setdefault(module, {}).update(_run_at_default_level(same))
+  outcome, text = _MACHINE_CODE_RUNS[module].pop(pyfuncitem.name)
+  if outcome == "skipped":
+    pytest.skip(f"at LLVM's default level (subprocess): {text}")
+  if outcome != "passed":
     pytest.fail(
-      f"{pyfuncitem.nodeid} at LLVM's default level (subprocess):\n"
-      f"{done.stdout[-6000:]}\n{done.stderr[-3000:]}",
+      f"{pyfuncitem.nodeid} at LLVM's default level (subprocess), {outcome}:\n{text}",
       pytrace=False,
     )
   return True

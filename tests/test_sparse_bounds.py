@@ -187,7 +187,7 @@ def first_step_error(inner, kwargs):
   with mock.patch.object(_topk, "mask_bound", lambda name, shape: None):
     state = tx.init(PARAMS)
   try:
-    tx.update(GRADS, state, PARAMS)
+    jax.block_until_ready(jax.jit(tx.update)(GRADS, state, PARAMS))
   except ValueError as e:
     return str(e)
   except jax.errors.JaxRuntimeError as e:  # raised inside a traced step (a cond)
@@ -230,7 +230,7 @@ def test_what_init_cannot_know_is_left_to_the_step():
   inner = tiles(block=(2, 2), density=0.5, density_threshold=1.0, where=None)
   tx = magma.periodic_mask(inner, sparsity=0.5, every=3)
   state = tx.init({"w": w})
-  u, _ = tx.update({"w": jnp.ones((4, 4))}, state, {"w": w})
+  u, _ = jax.jit(tx.update)({"w": jnp.ones((4, 4))}, state, {"w": w})
   assert int((u["w"] == -w).sum()) == 8  # two tiles pruned, two stepped
   # A traced target (inject_hyperparams under jit): nothing known, nothing raised.
   inject = optax.inject_hyperparams(

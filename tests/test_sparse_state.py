@@ -1304,7 +1304,8 @@ def test_reverse_mode_through_unrolled_sparse_steps():
 
 OVERFLOW_ON_8_DEVICES = """
 import os
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+flags = os.environ.get("XLA_FLAGS", "")  # the suite's own (LLVM -O0, tests/conftest.py)
+os.environ["XLA_FLAGS"] = flags + " --xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P

@@ -15,7 +15,9 @@ import sys
 
 def run(script: str) -> dict:
   """The JSON object the last output line of ``script`` prints (8 CPU devices)."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  # The run's own flags are kept (the suite's LLVM -O0, see tests/conftest.py).
+  flags = os.environ.get("XLA_FLAGS", "")
+  env = dict(os.environ, XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=8")
   env["JAX_PLATFORMS"] = "cpu"
   res = subprocess.run(
     [sys.executable, "-c", script], env=env, capture_output=True, text=True,
