@@ -181,8 +181,9 @@ CASES = {
 
 def first_step_error(inner, kwargs):
   """The message of the ValueError that the first step raises with the init check
-  switched off, or None. (Eager, but MultiSteps traces its step in a cond: the
-  error comes through the runtime there, as under jit -- what init spares.)"""
+  switched off, or None. The step is jitted (one compile, not an eager op at a
+  time): an error found while tracing is a ValueError, one found by the step's
+  check comes through the runtime -- what init spares."""
   tx = magma.periodic_mask(inner, every=3, **kwargs)
   with mock.patch.object(_topk, "mask_bound", lambda name, shape: None):
     state = tx.init(PARAMS)
