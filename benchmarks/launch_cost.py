@@ -15,15 +15,25 @@ to a peer measured in the same rounds:
 Run it on each jax line to compare them::
 
     python3 benchmarks/launch_cost.py --width 256 --layers 12
+
+``--allocations`` also counts each tree program's buffer allocations by kind, from
+the buffer assignment XLA writes when asked to dump (one more compile per case).
+On XLA:CPU every call builds a table entry for each of them on the calling thread,
+a new object for every constant and thread-local one, which is what the launch
+grows with.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import pathlib
+import re
 import statistics
 import sys
+import tempfile
 import time
+import uuid
 
 import jax
 import jax.numpy as jnp
@@ -65,13 +75,33 @@ def per_step_ms(step, args, steps: int, rounds: int) -> float:
   return best
 
 
-def tree_step(tx, params):
-  @jax.jit
+def tree_step(tx, params, name: str = "step"):
   def step(p, s, g):
     u, s = tx.update(g, s, p)
     return optax.apply_updates(p, u), s
 
-  return jax.jit(step, donate_argnums=(0, 1))
+  step.__name__ = step.__qualname__ = name
+  return jax.jit(jax.jit(step), donate_argnums=(0, 1))
+
+
+_KINDS = ("constant", "thread-local", "parameter", "maybe-live-out")
+
+
+def allocations(tx, params) -> dict[str, int]:
+  """The donated tree step's buffer allocations: ``total`` and per kind (a
+  parameter can also be live-out), read from XLA's dump of its buffer assignment."""
+  # A name of its own: a program served by a persistent compilation cache (whose
+  # key leaves the dump directory out) would not be compiled, nor dumped.
+  name = f"counted_{uuid.uuid4().hex}"
+  step = tree_step(tx, params, name)
+  state = jax.eval_shape(tx.init, params)
+  with tempfile.TemporaryDirectory() as d:
+    step.lower(params, state, params).compile({"xla_dump_to": d})
+    (path,) = pathlib.Path(d).glob(f"*jit_{name}*buffer-assignment.txt")
+    text = path.read_text()
+  heads = re.findall(r"^allocation \d+: size \d+(.*)$", text, re.M)
+  kinds = collections.Counter(k for h in heads for k in _KINDS if f" {k}" in h)
+  return {"total": len(heads), **{k: kinds[k] for k in _KINDS}}
 
 
 def launch_and_total(tx, params, calls: int) -> tuple[float, float, int]:
@@ -104,8 +134,11 @@ def main(argv=None) -> dict:
   parser.add_argument("--steps", type=int, default=100)
   parser.add_argument("--rounds", type=int, default=7)
   parser.add_argument("--calls", type=int, default=60)
+  parser.add_argument(
+    "--allocations", action="store_true", help="count each tree program's buffers"
+  )
   args = parser.parse_args(argv)
-  out = {"toy": {}, "tree": {}}
+  out = {"toy": {}, "tree": {}, "allocations": {}}
   print(f"jax {jax.__version__}, {jax.devices()[0].platform}")
   print("toy: a never-run loop of sorts over n leaves (ms per donated step)")
   for n in args.leaves:
@@ -140,6 +173,12 @@ def main(argv=None) -> dict:
       f" adam), done after {total:6.2f} ms ({total / adam_total:4.2f}x),"
       f" {n_state} state arrays"
     )
+  if args.allocations:
+    print("buffer allocations of each tree program (what a call's launch grows with)")
+    for name, tx in cases.items():
+      a = out["allocations"][name] = allocations(tx, params)
+      kinds = ", ".join(f"{a[k]} {k}" for k in _KINDS)
+      print(f"  {name:40s} {a['total']:5d} ({kinds})")
   return out
 
 

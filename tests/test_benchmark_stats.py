@@ -11,6 +11,7 @@ import math
 
 import _benchmarks
 import numpy as np
+import optax
 import pytest
 
 
@@ -66,3 +67,22 @@ def test_launch_cost_script_runs_both_parts():
   assert set(tree) == {"optax.adam", "periodic_mask(sparse_adam tiles 8x128)"}
   assert tree["optax.adam"][2] == 1 + 2 * 6  # count, mu and nu of 6 matrices
   assert all(launch > 0 and total >= launch for launch, total, _ in tree.values())
+  assert out["allocations"] == {}  # counted only when asked
+
+
+def test_launch_cost_counts_the_programs_buffer_allocations():
+  # One more compile per case: the counts are read from XLA's buffer assignment.
+  script = _benchmarks.load("launch_cost.py")
+  params = script.transformer_params(128, 1)
+  adam = script.allocations(optax.adam(1e-3), params)
+  # Adam's program holds its 6 parameters, 13 state arrays and 6 gradients, and
+  # its outputs alias the donated ones: no constant, no reducer scalar.
+  assert adam["parameter"] == 6 + 13 + 6
+  assert adam["constant"] == adam["thread-local"] == 0
+  assert adam["total"] >= adam["parameter"]
+  # A clipped Adam reduces the gradients' norm: thread-local reducer scalars.
+  clipped = script.allocations(
+    optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)), params
+  )
+  assert clipped["thread-local"] > 0
+  assert clipped["total"] > adam["total"]
