@@ -19,14 +19,13 @@ Run it on each jax line to compare them::
 ``--allocations`` also counts each tree program's buffer allocations by kind, from
 the buffer assignment XLA writes when asked to dump (one more compile per case).
 On XLA:CPU every call builds a table entry for each of them on the calling thread,
-a new object for every constant and thread-local one, which is what the launch
-grows with.
+a new object for every constant and thread-local one (see ``benchmarks/RESULTS.md``
+on how much of the launch that is).
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import pathlib
 import re
 import statistics
@@ -76,6 +75,8 @@ def per_step_ms(step, args, steps: int, rounds: int) -> float:
 
 
 def tree_step(tx, params, name: str = "step"):
+  """The donated step ``(p, s, g) -> (p + u, s)`` of ``tx``, jitted as ``name``."""
+
   def step(p, s, g):
     u, s = tx.update(g, s, p)
     return optax.apply_updates(p, u), s
@@ -84,12 +85,27 @@ def tree_step(tx, params, name: str = "step"):
   return jax.jit(jax.jit(step), donate_argnums=(0, 1))
 
 
-_KINDS = ("constant", "thread-local", "parameter", "maybe-live-out")
+_KINDS = (
+  "constant",
+  "thread-local",
+  "parameter",
+  "maybe-live-out",
+  "preallocated-temp",
+)
+
+
+def count_allocations(text: str) -> dict[str, int]:
+  """``total`` and per kind, from the text of XLA's buffer assignment: one line
+  ``allocation N: size S, kind[, kind ...]:`` per allocation, where a parameter
+  also carries its number and shape and can be live-out as well."""
+  heads = re.findall(r"^allocation \d+: size \d+(.*):$", text, re.M)
+  fields = [{f.split(" ")[0] for f in h.split(", ")} for h in heads]
+  return {"total": len(heads), **{k: sum(k in f for f in fields) for k in _KINDS}}
 
 
 def allocations(tx, params) -> dict[str, int]:
-  """The donated tree step's buffer allocations: ``total`` and per kind (a
-  parameter can also be live-out), read from XLA's dump of its buffer assignment."""
+  """The donated tree step's buffer allocations (:func:`count_allocations`), from
+  XLA's dump of its buffer assignment."""
   # A name of its own: a program served by a persistent compilation cache (whose
   # key leaves the dump directory out) would not be compiled, nor dumped.
   name = f"counted_{uuid.uuid4().hex}"
@@ -97,11 +113,11 @@ def allocations(tx, params) -> dict[str, int]:
   state = jax.eval_shape(tx.init, params)
   with tempfile.TemporaryDirectory() as d:
     step.lower(params, state, params).compile({"xla_dump_to": d})
-    (path,) = pathlib.Path(d).glob(f"*jit_{name}*buffer-assignment.txt")
-    text = path.read_text()
-  heads = re.findall(r"^allocation \d+: size \d+(.*)$", text, re.M)
-  kinds = collections.Counter(k for h in heads for k in _KINDS if f" {k}" in h)
-  return {"total": len(heads), **{k: kinds[k] for k in _KINDS}}
+    pattern = f"*jit_{name}*buffer-assignment.txt"
+    found = list(pathlib.Path(d).glob(pattern))
+    if len(found) != 1:
+      raise RuntimeError(f"expected one {pattern} in XLA's dump, found {found}")
+    return count_allocations(found[0].read_text())
 
 
 def launch_and_total(tx, params, calls: int) -> tuple[float, float, int]:
@@ -174,7 +190,7 @@ def main(argv=None) -> dict:
       f" {n_state} state arrays"
     )
   if args.allocations:
-    print("buffer allocations of each tree program (what a call's launch grows with)")
+    print("buffer allocations of each tree program (a table entry each per call)")
     for name, tx in cases.items():
       a = out["allocations"][name] = allocations(tx, params)
       kinds = ", ".join(f"{a[k]} {k}" for k in _KINDS)

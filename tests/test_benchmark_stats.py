@@ -59,7 +59,7 @@ def test_launch_cost_script_runs_both_parts():
   # A smoke test at tiny sizes: what it prints are timings, never asserted here.
   out = _benchmarks.load("launch_cost.py").main(
     ["--width", "128", "--layers", "1", "--leaves", "2", "--size", "256"]
-    + ["--steps", "2", "--rounds", "1", "--calls", "2"]
+    + ["--steps", "2", "--rounds", "1", "--calls", "2", "--allocations"]
   )
   ((plain, looped),) = out["toy"].values()
   assert plain > 0 and looped > 0
@@ -67,7 +67,40 @@ def test_launch_cost_script_runs_both_parts():
   assert set(tree) == {"optax.adam", "periodic_mask(sparse_adam tiles 8x128)"}
   assert tree["optax.adam"][2] == 1 + 2 * 6  # count, mu and nu of 6 matrices
   assert all(launch > 0 and total >= launch for launch, total, _ in tree.values())
-  assert out["allocations"] == {}  # counted only when asked
+  counts = out["allocations"]
+  assert set(counts) == set(tree)
+  adam, tiles = counts["optax.adam"], counts["periodic_mask(sparse_adam tiles 8x128)"]
+  # Adam's 6 parameters, 13 state arrays and 6 gradients; the tile step's refresh
+  # and reductions bring constants and reducer scalars.
+  assert adam["parameter"] == 6 + 13 + 6
+  assert tiles["constant"] > 0 and tiles["thread-local"] > 0
+  assert tiles["total"] > adam["total"]
+
+
+def test_launch_cost_counts_allocations_by_kind():
+  text = """BufferAssignment:
+allocation 0: size 16, parameter 0, shape |f32[2,2]| at ShapeIndex {}:
+ value: <0 p @0> (size=16,offset=0): f32[2,2]{1,0}
+allocation 1: size 16, parameter 1, shape |f32[2,2]| at ShapeIndex {}, maybe-live-out:
+ value: <1 s @0> (size=16,offset=0): f32[2,2]{1,0}
+allocation 2: size 4, constant:
+ value: <2 constant.3 @0> (size=4,offset=0): f32[]
+allocation 3: size 1, thread-local:
+ value: <3 reduce_sum.1 @0> (size=1,offset=0): u8[]
+allocation 4: size 16, output shape is |(f32[2,2], f32[])|, maybe-live-out:
+ value: <4 tuple @{}> (size=16,offset=0): (f32[2,2]{1,0}, f32[])
+allocation 5: size 64, preallocated-temp:
+ value: <5 fusion @0> (size=64,offset=0): f32[16]{0}
+"""
+  counts = _benchmarks.load("launch_cost.py").count_allocations(text)
+  assert counts == {
+    "total": 6,
+    "constant": 1,
+    "thread-local": 1,
+    "parameter": 2,
+    "maybe-live-out": 2,
+    "preallocated-temp": 1,
+  }
 
 
 def test_launch_cost_counts_the_programs_buffer_allocations():
@@ -75,11 +108,11 @@ def test_launch_cost_counts_the_programs_buffer_allocations():
   script = _benchmarks.load("launch_cost.py")
   params = script.transformer_params(128, 1)
   adam = script.allocations(optax.adam(1e-3), params)
-  # Adam's program holds its 6 parameters, 13 state arrays and 6 gradients, and
-  # its outputs alias the donated ones: no constant, no reducer scalar.
+  # Adam's program holds its 6 parameters, 13 state arrays and 6 gradients; its
+  # outputs are the donated parameters and state: no constant, no reducer scalar.
   assert adam["parameter"] == 6 + 13 + 6
+  assert adam["maybe-live-out"] >= 6 + 13
   assert adam["constant"] == adam["thread-local"] == 0
-  assert adam["total"] >= adam["parameter"]
   # A clipped Adam reduces the gradients' norm: thread-local reducer scalars.
   clipped = script.allocations(
     optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)), params
