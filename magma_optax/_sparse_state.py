@@ -478,14 +478,29 @@ def _computed_once(u: jax.Array, any_stored: jax.Array) -> jax.Array:
 
 def _moved(ctx: jax.Array, x: jax.Array, old_ctx: jax.Array, num: int) -> jax.Array:
   """Stored entries ``x`` (slots of ``old_ctx``) moved to the slots of ``ctx``;
-  items new in ``ctx`` start from zero. Both are sorted, filled with ``num``.
+  items new in ``ctx`` start from zero. Both are sorted, filled with ``num``."""
+  return _from_slots(x, _old_slots(ctx, old_ctx, num))
+
+
+def _old_slots(ctx: jax.Array, old_ctx: jax.Array, num: int) -> jax.Array:
+  """Per slot of ``ctx``, its item's slot in ``old_ctx`` (``len(old_ctx)``: none).
 
   Through the old slot of every item (a scatter of ``len(old_ctx)`` slots into
-  ``num`` items, then two gathers): 8x faster on XLA:CPU than a ``searchsorted`` of
-  ``ctx`` in ``old_ctx`` (1.4 against 11 ms for 0.3 M slots of a 1 M leaf).
+  ``num`` items, then a gather): with the gather of :func:`_from_slots`, 8x faster
+  on XLA:CPU than a ``searchsorted`` of ``ctx`` in ``old_ctx`` (1.4 against 11 ms
+  for 0.3 M slots of a 1 M leaf).
   """
-  pos = _slot_indices(old_ctx, num).at[ctx].get(mode="fill", fill_value=len(old_ctx))
-  return x.at[pos].get(mode="fill", fill_value=0)
+  return _slot_indices(old_ctx, num).at[ctx].get(mode="fill", fill_value=len(old_ctx))
+
+
+def _from_slots(x: jax.Array, slots: jax.Array) -> jax.Array:
+  """``x[slots]``, zero where a slot is out of range (:func:`_old_slots`)."""
+  return x.at[slots].get(mode="fill", fill_value=0)
+
+
+# Leaves remapped together hold at most this many bytes of base state (or one
+# leaf): their moved entries are temporaries of the refresh all at once.
+_REMAP_BYTES = 2**23
 
 
 def _capacity(size: int, density: float | None, structure) -> int:
@@ -720,7 +735,9 @@ class _Storage:
      inactive.
 
   Leaves whose storages have one ``batch_key`` run steps 1 and 8 together, by
-  the class's ``prepare_group`` and ``scatter_group``.
+  the class's ``prepare_group`` and ``scatter_group``; leaves of one
+  ``remap_key`` (tile storage whose base states have one shape) run step 2 in one
+  loop, by ``remap_group``.
 
   This base class is dense storage for a leaf outside ``where``: it takes no mask
   and every method passes its input through.
@@ -781,6 +798,15 @@ class _Storage:
   def remap(self, ctx, x, bits):
     del ctx, bits
     return x
+
+  def remap_key(self, ctx, bits, entries, fresh):
+    """A key under which leaves are remapped together (by the class's
+    ``remap_group``), for a leaf of this ``ctx`` and ``bits``, base-state
+    ``entries`` and their ``fresh`` values; ``None``: the leaf is remapped alone.
+    Inside ``jax.shard_map`` the key holds the axes they vary along: stacked with
+    one that varies along more, a leaf's entries would come back varying too."""
+    del ctx, bits, entries, fresh
+    return None
 
   def remap_fresh(self, ctx, x, bits, fresh, kept):
     """``remap``, with the slots that ``kept`` marks as new set to ``fresh`` (the
@@ -1151,10 +1177,43 @@ class _Tiles(_Storage):
     new_bits = jnp.packbits(flat)
     return idx, new_bits, jnp.any(new_bits != bits), n_active
 
-  def remap(self, ctx, x, bits):
+  def remap_key(self, ctx, bits, entries, fresh):
+    if not entries:
+      return None
+    arrays = [ctx, bits, *entries, *fresh]
+    return (
+      type(self),
+      self.batch_key(),
+      tuple((jnp.shape(x), jnp.result_type(x)) for x in arrays),
+      frozenset().union(*map(_compat.varying, arrays)),
+    )
+
+  def old_slots(self, ctx, bits):
+    """Per slot of ``ctx``, its tile's slot in the stored set ``bits`` were
+    (``capacity``: a tile new to the set)."""
     old_tiles = jnp.unpackbits(bits, count=self.num_tiles).astype(jnp.bool_)
     old_idx, _ = _active_indices(old_tiles, self.capacity)
-    return _moved(ctx, x, old_idx, self.num_tiles)
+    return _old_slots(ctx, old_idx, self.num_tiles)
+
+  def remap(self, ctx, x, bits):
+    return _from_slots(x, self.old_slots(ctx, bits))
+
+  @staticmethod
+  def remap_group(storages, ctx, bits, entries, fresh):
+    """``remap_fresh`` of every base-state entry (``entries``, their ``fresh``
+    values) of leaves of one ``remap_key``: their old slots found over
+    one stack of their ``ctx`` and ``bits`` (some 20 computations per leaf on a
+    few hundred tiles, see ``prepare_group``), each leaf's entries moved apart
+    (a stack of them would be a temporary the size of their moments)."""
+    slots = jax.vmap(storages[0].old_slots)(jnp.stack(ctx), jnp.stack(bits))
+    out = []
+    for k, (s, xs, fs) in enumerate(zip(storages, entries, fresh, strict=True)):
+      kept = (slots[k] < s.capacity)[:, None, None]
+      out.append([
+        jnp.where(kept, _from_slots(x, slots[k]), f.astype(x.dtype))
+        for x, f in zip(xs, fs, strict=True)
+      ])  # fmt: skip
+    return out
 
   def gather(self, ctx, x):
     return tiles.gather_tiles(x.reshape(self.view), ctx)
@@ -1341,6 +1400,10 @@ class _HostTiles:
   tracks_cold = True
   load = _Offload.load
   unload = _Offload.unload
+
+  def remap_key(self, ctx, bits, entries, fresh):
+    del ctx, bits, entries, fresh
+    return None  # alone: each buffer may be on the host
 
   def remap_fresh(self, ctx, x, bits, fresh, kept):
     # Runs before `load` (and only when some stored set changed): a host-resident
@@ -2254,8 +2317,30 @@ def _transformation(
       ]
 
     loops = []  # per leaf whose stored set may change: (i, refresh, carry)
+    # Leaves whose remaps run as one computation (``remap_key``; not where XLA
+    # may partition the step, as in by_batch), by key.
+    remap_groups = collections.defaultdict(list)
+    if not _compat.partitionable():
+      for i, s in enumerate(storages):
+        key = None
+        if changed[i] is not None:
+          key = s.remap_key(ctx[i], bits[i], entries[i], fresh[i])
+        if key is not None:
+          remap_groups[key].append(i)
+    # Chunks of at most _REMAP_BYTES of entries (or one leaf): a chunk's moved
+    # entries are temporaries of the loop's body all at once.
+    chunks = []
+    for idx in remap_groups.values():
+      chunks.append([])
+      for i in idx:
+        size = sum(x.size * x.dtype.itemsize for x in entries[i])
+        if chunks[-1] and (len(chunks[-1]) + 1) * size > _REMAP_BYTES:
+          chunks.append([])
+        chunks[-1].append(i)
+    remap_groups = [idx for idx in chunks if len(idx) > 1]
+    grouped = {i for idx in remap_groups for i in idx}
     for i, s in enumerate(storages):
-      if changed[i] is None:
+      if changed[i] is None or i in grouped:
         continue
 
       def refresh(carry, i=i, s=s):
@@ -2276,10 +2361,35 @@ def _transformation(
       # Unchanged: the cached ctx (its count was checked when it was built).
       packed = bits[i][0] if held[i] and s.rebuilds else None
       loops.append((i, refresh, (ctx[i], jnp.zeros([], jnp.int32), entries[i], packed)))
+    # A group's leaves find their old slots by one computation over their stack
+    # (per leaf some 20 computations, every one buffers of the program, whose
+    # launch grows with them on XLA:CPU, run or not): a leaf of the group whose
+    # stored set did not change keeps its entries as they were.
+    for idx in remap_groups:
+
+      def refresh_group(carry, idx=idx):
+        moved = type(storages[idx[0]]).remap_group(
+          [storages[i] for i in idx],
+          [ctx[i] for i in idx],
+          [bits[i] for i in idx],
+          carry,
+          [fresh[i] for i in idx],
+        )
+        return [
+          [jnp.where(changed[i], m, x) for m, x in zip(ms, xs, strict=True)]
+          for i, ms, xs in zip(idx, moved, carry, strict=True)
+        ]
+
+      loops.append((tuple(idx), refresh_group, [entries[i] for i in idx]))
+
+    def pred_of(i):
+      if isinstance(i, tuple):
+        return functools.reduce(jnp.logical_or, [changed[j] for j in i])
+      return changed[i]
 
     def refresh_each(carries):
       return [
-        _trees.run_if(changed[i], refresh, carry)
+        _trees.run_if(pred_of(i), refresh, carry)
         for (i, refresh, _), carry in zip(loops, carries, strict=True)
       ]
 
@@ -2288,13 +2398,18 @@ def _transformation(
       # One loop around the leaves' loops: on ordinary steps one predicate to wait
       # for, not one per leaf (XLA:CPU waits at each loop's condition).
       carries = _trees.run_if(
-        functools.reduce(jnp.logical_or, [changed[i] for i, _, _ in loops]),
+        functools.reduce(jnp.logical_or, [pred_of(i) for i, _, _ in loops]),
         refresh_each,
         carries,
       )
     else:
       carries = refresh_each(carries)
-    for (i, _, _), (c, n, e, packed) in zip(loops, carries, strict=True):
+    for (i, _, _), carry in zip(loops, carries, strict=True):
+      if isinstance(i, tuple):  # a group: its leaves' entries (none rebuilds)
+        for j, e in zip(i, carry, strict=True):
+          entries[j] = e
+        continue
+      c, n, e, packed = carry
       s = storages[i]
       ctx[i], entries[i] = c, e
       if s.rebuilds:

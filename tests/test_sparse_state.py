@@ -864,6 +864,83 @@ def test_tile_leaves_of_one_shape_build_their_indices_in_one_computation():
     _sparse_state._Tiles.batch_key = saved
 
 
+def test_tile_leaves_remapped_together_keep_each_leafs_state():
+  # Leaves of one tile storage and state shapes are remapped by one computation
+  # over their stack; a leaf whose stored set did not change keeps its entries
+  # as they were, also its empty slots, where RMSProp's second moment (from
+  # initial_scale=1) decays between remaps. The reference: each leaf alone.
+  block, steps = (2, 4), 5
+  rng = np.random.default_rng(7)
+  names = ["a", "b", "c", "d"]
+  masks = {k: tile_masks(rng, (), (4, 3), block, steps, 0.4) for k in names}
+  for k in names:  # at most 6 of 12 tiles; "b" keeps its first mask throughout
+    for t, m in enumerate(masks[k]):
+      if m[::2, ::4].sum() > 6 or (k == "b" and t > 0):
+        m[:] = masks[k][0] if t > 0 else False
+  grads = {k: [rng.normal(size=(8, 12)).astype(np.float32) for _ in range(steps)]
+           for k in names}  # fmt: skip
+  tx = magma.sparse_state(
+    optax.rmsprop(LR, initial_scale=1.0), mode="compact", density=0.5, block=block
+  )
+
+  def run(keys):
+    params = {k: jnp.zeros((8, 12)) for k in keys}
+    state, step, out = tx.init(params), jax.jit(tx.update), []
+    for t in range(steps):
+      g = {k: grads[k][t] for k in keys}
+      m = {k: jnp.asarray(masks[k][t]) for k in keys}
+      u, state = step(g, state, params, param_mask=m)
+      out.append((u, state.base_state))
+    return out
+
+  together = run(names)
+  for k in names:
+    alone = run([k])
+    for (u, s), (u1, s1) in zip(together, alone, strict=True):
+      np.testing.assert_array_equal(u[k], u1[k], err_msg=k)
+      for x, x1 in zip(
+        jax.tree.leaves(optax.tree_utils.tree_get(s, "nu")[k]),
+        jax.tree.leaves(optax.tree_utils.tree_get(s1, "nu")[k]),
+        strict=True,
+      ):
+        np.testing.assert_array_equal(x, x1, err_msg=k)
+  # The empty slots of "b" decayed and were kept (its set never changed).
+  nu_b = np.asarray(optax.tree_utils.tree_get(together[-1][1], "nu")["b"])
+  n_b = int(masks["b"][0][::2, ::4].sum())
+  assert n_b < 6 and np.all((nu_b[n_b:] > 0) & (nu_b[n_b:] < 1))
+
+
+def remap_scatters(tx, n):
+  """The scatters in the whole compiled tile step over ``n`` leaves of one shape,
+  the loops that remap them included."""
+  params = {f"w{i}": jnp.zeros((8, 12)) for i in range(n)}
+  mask = {k: jnp.ones((8, 12), bool).at[: i % 4].set(False) for i, k in
+          enumerate(params)}  # fmt: skip
+
+  def fn(p, s, m):
+    return tx.update(jax.tree.map(jnp.ones_like, p), s, p, param_mask=m)
+
+  hlo = jax.jit(fn).lower(params, tx.init(params), mask).compile().as_text()
+  return len(re.findall(r" scatter\(", hlo))
+
+
+def test_tile_leaves_of_one_shape_are_remapped_in_one_computation():
+  # Every scatter of the remap is in the program once, however many leaves; the
+  # control (each leaf remapped alone) has them once per leaf.
+  tx = magma.sparse_adam(
+    LR, mode="compact", density=0.5, block=(2, 4), on_error="record"
+  )
+  grouped = remap_scatters(tx, 6), remap_scatters(tx, 2)
+  saved = _sparse_state._Tiles.remap_key
+  _sparse_state._Tiles.remap_key = _sparse_state._Storage.remap_key
+  try:
+    alone = remap_scatters(tx, 6), remap_scatters(tx, 2)
+  finally:
+    _sparse_state._Tiles.remap_key = saved
+  assert grouped[0] == grouped[1] > 0
+  assert alone[0] - alone[1] > 0
+
+
 def test_tile_leaf_failing_in_a_batch_is_the_one_recorded():
   # Record mode: one leaf of a batch gets a mask over its capacity, another one
   # not made of whole tiles; each keeps its stored tiles and gets no update, the
