@@ -20,7 +20,8 @@ Run it on each jax line to compare them::
 the buffer assignment XLA writes when asked to dump (one more compile per case).
 On XLA:CPU every call builds a table entry for each of them on the calling thread,
 a new object for every constant and thread-local one (see ``benchmarks/RESULTS.md``
-on how much of the launch that is).
+on how much of the launch that is). ``--compile`` times each tree program's trace
+and compile (a program of its own name, which no compilation cache serves).
 """
 
 from __future__ import annotations
@@ -120,6 +121,18 @@ def allocations(tx, params) -> dict[str, int]:
     return count_allocations(found[0].read_text())
 
 
+def compile_seconds(tx, params) -> tuple[float, float]:
+  """Seconds to trace and lower the donated tree step, and to compile it (a
+  program of its own name: no compilation cache can serve it)."""
+  step = tree_step(tx, params, f"timed_{uuid.uuid4().hex}")
+  state = jax.eval_shape(tx.init, params)
+  t0 = time.perf_counter()
+  lowered = step.lower(params, state, params)
+  t1 = time.perf_counter()
+  lowered.compile()
+  return t1 - t0, time.perf_counter() - t1
+
+
 def launch_and_total(tx, params, calls: int) -> tuple[float, float, int]:
   """Median ms for a call to return and for it to finish, and the program's
   argument count."""
@@ -153,8 +166,11 @@ def main(argv=None) -> dict:
   parser.add_argument(
     "--allocations", action="store_true", help="count each tree program's buffers"
   )
+  parser.add_argument(
+    "--compile", action="store_true", help="time each tree program's compile"
+  )
   args = parser.parse_args(argv)
-  out = {"toy": {}, "tree": {}, "allocations": {}}
+  out = {"toy": {}, "tree": {}, "allocations": {}, "compile": {}}
   print(f"jax {jax.__version__}, {jax.devices()[0].platform}")
   print("toy: a never-run loop of sorts over n leaves (ms per donated step)")
   for n in args.leaves:
@@ -195,6 +211,11 @@ def main(argv=None) -> dict:
       a = out["allocations"][name] = allocations(tx, params)
       kinds = ", ".join(f"{a[k]} {k}" for k in _KINDS)
       print(f"  {name:40s} {a['total']:5d} ({kinds})")
+  if args.compile:
+    print("seconds to trace and lower, and to compile, each tree program")
+    for name, tx in cases.items():
+      lower, comp = out["compile"][name] = compile_seconds(tx, params)
+      print(f"  {name:40s} trace and lower {lower:6.2f} s, compile {comp:6.2f} s")
   return out
 
 

@@ -60,6 +60,7 @@ def test_launch_cost_script_runs_both_parts():
   out = _benchmarks.load("launch_cost.py").main(
     ["--width", "128", "--layers", "1", "--leaves", "2", "--size", "256"]
     + ["--steps", "2", "--rounds", "1", "--calls", "2", "--allocations"]
+    + ["--compile"]
   )
   ((plain, looped),) = out["toy"].values()
   assert plain > 0 and looped > 0
@@ -75,6 +76,8 @@ def test_launch_cost_script_runs_both_parts():
   assert adam["parameter"] == 6 + 13 + 6
   assert tiles["constant"] > 0 and tiles["thread-local"] > 0
   assert tiles["total"] > adam["total"]
+  assert set(out["compile"]) == set(tree)
+  assert all(lower > 0 and comp > 0 for lower, comp in out["compile"].values())
 
 
 def test_launch_cost_counts_allocations_by_kind():
