@@ -1178,12 +1178,13 @@ class _Tiles(_Storage):
     return idx, new_bits, jnp.any(new_bits != bits), n_active
 
   def remap_key(self, ctx, bits, entries, fresh):
-    if not entries:
+    if not entries or self.rebuilds:
       return None
     arrays = [ctx, bits, *entries, *fresh]
     return (
       type(self),
-      self.batch_key(),
+      self.num_tiles,
+      self.capacity,
       tuple((jnp.shape(x), jnp.result_type(x)) for x in arrays),
       frozenset().union(*map(_compat.varying, arrays)),
     )

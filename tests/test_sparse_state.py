@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import magma_optax as magma
+from magma_optax import _compat
 from magma_optax import _sparse_state
 
 B1, B2, EPS, LR = 0.9, 0.999, 1e-8, 0.05
@@ -864,16 +865,21 @@ def test_tile_leaves_of_one_shape_build_their_indices_in_one_computation():
     _sparse_state._Tiles.batch_key = saved
 
 
-def test_tile_leaves_remapped_together_keep_each_leafs_state():
+# 600 bytes: RMSProp's 192-byte nu per leaf remapped 3 together, then 1 alone.
+@pytest.mark.parametrize("remap_bytes", [None, 600])
+def test_tile_leaves_remapped_together_keep_each_leafs_state(monkeypatch, remap_bytes):
   # Leaves of one tile storage and state shapes are remapped by one computation
   # over their stack; a leaf whose stored set did not change keeps its entries
   # as they were, also its empty slots, where RMSProp's second moment (from
   # initial_scale=1) decays between remaps. The reference: each leaf alone.
+  assert not _compat.partitionable()  # one device: the leaves are grouped
+  if remap_bytes is not None:
+    monkeypatch.setattr(_sparse_state, "_REMAP_BYTES", remap_bytes)
   block, steps = (2, 4), 5
   rng = np.random.default_rng(7)
   names = ["a", "b", "c", "d"]
   masks = {k: tile_masks(rng, (), (4, 3), block, steps, 0.4) for k in names}
-  for k in names:  # at most 6 of 12 tiles; "b" keeps its first mask throughout
+  for k in names:  # at most 6 of 12 tiles; "b"'s set changes at the first step only
     for t, m in enumerate(masks[k]):
       if m[::2, ::4].sum() > 6 or (k == "b" and t > 0):
         m[:] = masks[k][0] if t > 0 else False
@@ -904,7 +910,7 @@ def test_tile_leaves_remapped_together_keep_each_leafs_state():
         strict=True,
       ):
         np.testing.assert_array_equal(x, x1, err_msg=k)
-  # The empty slots of "b" decayed and were kept (its set never changed).
+  # The empty slots of "b" decayed and were kept (its set changed at step 0 only).
   nu_b = np.asarray(optax.tree_utils.tree_get(together[-1][1], "nu")["b"])
   n_b = int(masks["b"][0][::2, ::4].sum())
   assert n_b < 6 and np.all((nu_b[n_b:] > 0) & (nu_b[n_b:] < 1))
@@ -926,7 +932,8 @@ def remap_scatters(tx, n):
 
 def test_tile_leaves_of_one_shape_are_remapped_in_one_computation():
   # Every scatter of the remap is in the program once, however many leaves; the
-  # control (each leaf remapped alone) has them once per leaf.
+  # control (each leaf remapped alone) has them once per leaf: u scatters per
+  # remap, 6 leaves against 2 adding 4 u, and 2 leaves alone u more than grouped.
   tx = magma.sparse_adam(
     LR, mode="compact", density=0.5, block=(2, 4), on_error="record"
   )
@@ -937,8 +944,9 @@ def test_tile_leaves_of_one_shape_are_remapped_in_one_computation():
     alone = remap_scatters(tx, 6), remap_scatters(tx, 2)
   finally:
     _sparse_state._Tiles.remap_key = saved
+  per_remap = alone[1] - grouped[1]
   assert grouped[0] == grouped[1] > 0
-  assert alone[0] - alone[1] > 0
+  assert alone[0] - alone[1] == 4 * per_remap > 0
 
 
 def test_tile_leaf_failing_in_a_batch_is_the_one_recorded():
