@@ -509,6 +509,17 @@ def _capacity(size: int, density: float | None, structure) -> int:
   return min(size, max(1, math.ceil(density * size)))
 
 
+class _Stacked(NamedTuple):
+  """What ``_Tiles.prepare_group`` found for a stack of leaves, stacked: their
+  slots' tiles ``ctx``, their old ``bits`` and whether their sets ``changed``.
+  A loop that refreshes some of them takes the stacks and picks its leaves inside
+  (each leaf's slice taken outside would be a computation of every step)."""
+
+  ctx: jax.Array
+  bits: jax.Array
+  changed: jax.Array
+
+
 class _Check(NamedTuple):
   """A step's error condition: ``ValueError(describe(*values))`` if ``bad``."""
 
@@ -1135,19 +1146,21 @@ class _Tiles(_Storage):
       f, d = s.tiles_of(m, w)
       flat.append(f)
       differ.append(d)
-    flat, differ = jnp.stack(flat), jnp.stack(differ)
+    flat, differ, old_bits = jnp.stack(flat), jnp.stack(differ), jnp.stack(bits)
     # Recording, a mask that fails the checks is replaced by the stored tiles.
     fallback = differ if record else None
     idx, new_bits, changed, n_active = jax.vmap(storages[0].tile_set)(
-      flat, jnp.stack(bits), fallback
+      flat, old_bits, fallback
     )
     bad = differ | (n_active > storages[0].capacity)
+    stacked = _Stacked(idx, old_bits, changed)
     return [
       (
         idx[k],
         new_bits[k],
         changed[k],
         _Check(bad[k], s._problem, (differ[k], n_active[k])),
+        (stacked, k),
       )
       for k, s in enumerate(storages)
     ]
@@ -1203,10 +1216,11 @@ class _Tiles(_Storage):
   def remap_group(storages, ctx, bits, entries, fresh):
     """``remap_fresh`` of every base-state entry (``entries``, their ``fresh``
     values) of leaves of one ``remap_key``: their old slots found over
-    one stack of their ``ctx`` and ``bits`` (some 20 computations per leaf on a
-    few hundred tiles, see ``prepare_group``), each leaf's entries moved apart
-    (a stack of them would be a temporary the size of their moments)."""
-    slots = jax.vmap(storages[0].old_slots)(jnp.stack(ctx), jnp.stack(bits))
+    one stack of their ``ctx`` and ``bits`` (given stacked; some 20 computations
+    per leaf on a few hundred tiles, see ``prepare_group``), each leaf's entries
+    moved apart (a stack of them would be a temporary the size of their
+    moments)."""
+    slots = jax.vmap(storages[0].old_slots)(ctx, bits)
     out = []
     for k, (s, xs, fs) in enumerate(zip(storages, entries, fresh, strict=True)):
       kept = (slots[k] < s.capacity)[:, None, None]
@@ -2272,7 +2286,10 @@ def _transformation(
       lambda i: masks[i] is not None,
       same=held,
     )
-    for i, (c, nb, ch, check) in enumerate(prepared):
+    # Per leaf prepared with others: their stacks and its place in them.
+    stacked = [None] * len(storages)
+    for i, (c, nb, ch, check, *stack) in enumerate(prepared):
+      stacked[i] = stack[0] if stack else None
       ctx.append(c)
       new_bits.append(nb)
       changed.append(ch)
@@ -2366,24 +2383,55 @@ def _transformation(
     # (per leaf some 20 computations, every one buffers of the program, whose
     # launch grows with them on XLA:CPU, run or not): a leaf of the group whose
     # stored set did not change keeps its entries as they were.
+    # Where its leaves were prepared together, a group's loop takes their stacks
+    # and picks its leaves inside: a slice of each leaf's taken outside is a
+    # computation of every step (4 per leaf, a launch each on XLA:CPU).
+    group_stacks = {}  # a group: its leaves' stacks and their rows in them
+    for idx in remap_groups:
+      first = stacked[idx[0]]
+      if all(stacked[i] is not None and stacked[i][0] is first[0] for i in idx):
+        group_stacks[tuple(idx)] = (first[0], tuple(stacked[i][1] for i in idx))
+
+    def group_stack(idx):
+      """The stacks of group ``idx`` (stacked here where it was not prepared
+      together), and its rows in them (``None``: all)."""
+      if idx in group_stacks:
+        return group_stacks[idx]
+      return _Stacked(
+        *(jnp.stack([a[i] for i in idx]) for a in (ctx, bits, changed))
+      ), None
+
+    def picked(x, at):
+      """The rows ``at`` (static; ``None``: all) of a stack ``x``."""
+      if at is None or at == tuple(range(len(x))):
+        return x
+      if at == tuple(range(at[0], at[0] + len(at))):
+        return jax.lax.slice_in_dim(x, at[0], at[0] + len(at))
+      return x[jnp.asarray(at)]
+
     for idx in remap_groups:
 
-      def refresh_group(carry, idx=idx):
+      def refresh_group(carry, idx=tuple(idx)):
+        stack, at = group_stack(idx)
+        changes = picked(stack.changed, at)
         moved = type(storages[idx[0]]).remap_group(
           [storages[i] for i in idx],
-          [ctx[i] for i in idx],
-          [bits[i] for i in idx],
+          picked(stack.ctx, at),
+          picked(stack.bits, at),
           carry,
           [fresh[i] for i in idx],
         )
         return [
-          [jnp.where(changed[i], m, x) for m, x in zip(ms, xs, strict=True)]
-          for i, ms, xs in zip(idx, moved, carry, strict=True)
+          [jnp.where(changes[k], m, x) for m, x in zip(ms, xs, strict=True)]
+          for k, (ms, xs) in enumerate(zip(moved, carry, strict=True))
         ]
 
       loops.append((tuple(idx), refresh_group, [entries[i] for i in idx]))
 
     def pred_of(i):
+      if isinstance(i, tuple) and i in group_stacks:
+        stack, at = group_stacks[i]
+        return jnp.any(picked(stack.changed, at))
       if isinstance(i, tuple):
         return functools.reduce(jnp.logical_or, [changed[j] for j in i])
       return changed[i]

@@ -108,6 +108,35 @@ def test_tile_adam_matches_numpy():
   assert not np.any(np.asarray(got.update[4]))
 
 
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf])
+def test_empty_slots_read_no_gradient(bad):
+  # The gather clamps an empty slot's index (the tile count, 16) to the last row's
+  # first tile (12) and selects 0 for it: NaN or inf there, or in any tile not
+  # stored, must not reach the moments an empty slot keeps (here nonzero).
+  rng = np.random.default_rng(1)
+  g = rng.normal(size=(2, 16, 512)).astype(np.float32)  # view (4, 8, 4, 128)
+  index = np.array([0, 6, 7, 15, 16, 16], np.int32)
+  g4 = g.reshape(4, 8, 4, 128)
+  for t in set(range(16)) - set(index.tolist()):
+    g4[t // 4, :, t % 4, :] = bad
+  mu = rng.normal(size=(6, *BLOCK)).astype(np.float32)
+  nu = rng.uniform(size=(6, *BLOCK)).astype(np.float32)
+  got = tiles.tile_adam(
+    jnp.asarray(g), jnp.asarray(mu), jnp.asarray(nu), jnp.asarray(index),
+    count=2, learning_rate=1e-2,
+  )  # fmt: skip
+  want = _numpy_tile_adam(g4, mu, nu, index, 2, 1e-2)
+  for x, y in zip(got, want, strict=True):
+    assert np.all(np.isfinite(np.asarray(x)))
+    np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+  np.testing.assert_array_equal(got.mu[4:], np.float32(0.9) * mu[4:])
+  gathered = tiles.gather_tiles(jnp.asarray(g4), jnp.asarray(index))
+  np.testing.assert_array_equal(gathered[4:], 0.0)
+  np.testing.assert_array_equal(
+    gathered[:4], np.stack([g4[t // 4, :, t % 4] for t in index[:4]])
+  )
+
+
 def test_bad_input():
   with pytest.raises(ValueError, match="mode must be one of"):
     magma.sparse_adam(1e-3, mode="dense")

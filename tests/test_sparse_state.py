@@ -865,9 +865,24 @@ def test_tile_leaves_of_one_shape_build_their_indices_in_one_computation():
     _sparse_state._Tiles.batch_key = saved
 
 
-# 600 bytes: RMSProp's 192-byte nu per leaf remapped 3 together, then 1 alone.
-@pytest.mark.parametrize("remap_bytes", [None, 600])
-def test_tile_leaves_remapped_together_keep_each_leafs_state(monkeypatch, remap_bytes):
+# 600 bytes: RMSProp's 192-byte nu per leaf remapped 3 together, then 1 alone;
+# 400 bytes: 2 and 2 (rows 2, 3 of the stacks prepared together).
+# A bfloat16 "b": prepared with the others, remapped apart; "a", "c", "d" are then
+# rows 0, 2, 3 of the stacks prepared together. Prepared apart (no batch key), the
+# leaves are stacked for their remap alone.
+@pytest.mark.parametrize(
+  "remap_bytes, b_dtype, apart, sizes",
+  [
+    (None, "float32", False, [4]),
+    (600, "float32", False, [3]),
+    (400, "float32", False, [2, 2]),
+    (None, "bfloat16", False, [3]),
+    (None, "float32", True, [4]),
+  ],
+)
+def test_tile_leaves_remapped_together_keep_each_leafs_state(
+  monkeypatch, remap_bytes, b_dtype, apart, sizes
+):
   # Leaves of one tile storage and state shapes are remapped by one computation
   # over their stack; a leaf whose stored set did not change keeps its entries
   # as they were, also its empty slots, where RMSProp's second moment (from
@@ -875,6 +890,16 @@ def test_tile_leaves_remapped_together_keep_each_leafs_state(monkeypatch, remap_
   assert not _compat.partitionable()  # one device: the leaves are grouped
   if remap_bytes is not None:
     monkeypatch.setattr(_sparse_state, "_REMAP_BYTES", remap_bytes)
+  groups = []  # the number of leaves of each remap group traced
+  remap_group = _sparse_state._Tiles.remap_group
+  monkeypatch.setattr(
+    _sparse_state._Tiles,
+    "remap_group",
+    staticmethod(lambda s, *a: groups.append(len(s)) or remap_group(s, *a)),
+  )
+  if apart:
+    monkeypatch.setattr(_sparse_state._Tiles, "batch_key", lambda self: None)
+  dtype = {"b": jnp.dtype(b_dtype)}
   block, steps = (2, 4), 5
   rng = np.random.default_rng(7)
   names = ["a", "b", "c", "d"]
@@ -890,16 +915,17 @@ def test_tile_leaves_remapped_together_keep_each_leafs_state(monkeypatch, remap_
   )
 
   def run(keys):
-    params = {k: jnp.zeros((8, 12)) for k in keys}
+    params = {k: jnp.zeros((8, 12), dtype.get(k, jnp.float32)) for k in keys}
     state, step, out = tx.init(params), jax.jit(tx.update), []
     for t in range(steps):
-      g = {k: grads[k][t] for k in keys}
+      g = {k: jnp.asarray(grads[k][t], params[k].dtype) for k in keys}
       m = {k: jnp.asarray(masks[k][t]) for k in keys}
       u, state = step(g, state, params, param_mask=m)
       out.append((u, state.base_state))
     return out
 
   together = run(names)
+  assert groups == sizes
   for k in names:
     alone = run([k])
     for (u, s), (u1, s1) in zip(together, alone, strict=True):
@@ -947,6 +973,46 @@ def test_tile_leaves_of_one_shape_are_remapped_in_one_computation():
   per_remap = alone[1] - grouped[1]
   assert grouped[0] == grouped[1] > 0
   assert alone[0] - alone[1] == 4 * per_remap > 0
+
+
+def step_kernels(tx, n):
+  """The kernels (instructions other than parameters, constants, tuples and
+  bitcasts) in the entry computation of the donated step over ``n`` leaves: what
+  every step launches (a loop's body runs only on the steps that refresh)."""
+  params = {f"w{i}": jnp.zeros((8, 12)) for i in range(n)}
+  mask = {k: jnp.ones((8, 12), bool).at[: i % 4].set(False) for i, k in
+          enumerate(params)}  # fmt: skip
+
+  def fn(p, s, m):
+    u, s = tx.update(jax.tree.map(jnp.ones_like, p), s, p, param_mask=m)
+    return optax.apply_updates(p, u), s
+
+  lowered = jax.jit(fn, donate_argnums=(0, 1)).lower(params, tx.init(params), mask)
+  hlo = lowered.compile().as_text()
+  entry = hlo[hlo.index("\nENTRY") :]
+  entry = entry[: entry.index("\n}")]
+  ops = re.findall(r"= \S+ ([\w-]+)\(", entry) + re.findall(r"\) ([\w-]+)\(", entry)
+  free = ("parameter", "get-tuple-element", "bitcast", "tuple", "constant")
+  return sum(op not in free for op in ops)
+
+
+@pytest.mark.parametrize("base", ["sparse_adam", "sparse_state(adam)"])
+def test_tile_step_launches_few_kernels_per_leaf(base):
+  # On XLA:CPU each kernel is a launch, and a transformer has many small leaves.
+  # Per tile leaf, beyond what Adam's step has: the mask's tiles, the new bits,
+  # the gradient's gather, the compact update and its branch (with its predicate).
+  # Each leaf's slices of the stacks prepared together (for the refresh loops'
+  # operands) and the gather's bounds check were 7 more.
+  storage = dict(mode="compact", density=0.5, block=(2, 4), on_error="record")
+  if base == "sparse_adam":
+    tx = magma.sparse_adam(LR, **storage)
+  else:
+    tx = magma.sparse_state(optax.adam(LR), **storage)
+  assert not _compat.partitionable()
+  per_leaf = (step_kernels(tx, 6) - step_kernels(tx, 2)) / 4
+  adam = optax.adam(LR)
+  adam_per_leaf = (step_kernels(adam, 6) - step_kernels(adam, 2)) / 4
+  assert per_leaf <= adam_per_leaf + 6, (per_leaf, adam_per_leaf)
 
 
 def test_tile_leaf_failing_in_a_batch_is_the_one_recorded():
