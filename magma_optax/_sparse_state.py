@@ -1242,19 +1242,27 @@ class _Tiles(_Storage):
     del mask
     return jnp.broadcast_to((ctx < self.num_tiles)[:, None, None], self.stored_shape)
 
-  def scatter(self, ctx, mask, u, slot=None):
-    """``slot``: ``_slot_indices(ctx, num_tiles)``, where already known."""
+  def scatter(self, ctx, mask, u, slot=None, any_stored=None):
+    """``slot``: ``_slot_indices(ctx, num_tiles)``, where already known;
+    ``any_stored``: whether this leaf or others stored anything (the branch that
+    computes ``u`` then runs; with nothing stored, the expansion is zero anyway)."""
     del mask
-    return self.expand(ctx, _computed_once(u, ctx[0] < self.num_tiles), slot)
+    if any_stored is None:
+      any_stored = ctx[0] < self.num_tiles
+    return self.expand(ctx, _computed_once(u, any_stored), slot)
 
   @staticmethod
   def scatter_group(storages, ctx, masks, us):
     """``scatter`` of leaves of one ``batch_key``, their slot maps found over
     one stack (see ``prepare_group``)."""
     num = storages[0].num_tiles
-    slots = jax.vmap(lambda c: _slot_indices(c, num))(jnp.stack(ctx))
+    stacked = jnp.stack(ctx)
+    slots = jax.vmap(lambda c: _slot_indices(c, num))(stacked)
+    # One predicate for the group's branches: each leaf's own would be a slice
+    # of every step (a launch per leaf on XLA:CPU).
+    any_stored = jnp.any(stacked[:, 0] < num)
     return [
-      s.scatter(c, m, u, slots[k])
+      s.scatter(c, m, u, slots[k], any_stored)
       for k, (s, c, m, u) in enumerate(zip(storages, ctx, masks, us, strict=True))
     ]
 
