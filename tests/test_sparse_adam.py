@@ -110,9 +110,10 @@ def test_tile_adam_matches_numpy():
 
 @pytest.mark.parametrize("bad", [jnp.nan, jnp.inf])
 def test_empty_slots_read_no_gradient(bad):
-  # The gather clamps an empty slot's index (the tile count, 16) to the last row's
-  # first tile (12) and selects 0 for it: NaN or inf there, or in any tile not
-  # stored, must not reach the moments an empty slot keeps (here nonzero).
+  # The XLA gather clamps an empty slot's index (the tile count, 16) per axis, to
+  # the last row's first tile (12), and selects 0 for it: NaN or inf there, or in
+  # any tile not stored, must not reach the moments an empty slot keeps (here
+  # nonzero).
   rng = np.random.default_rng(1)
   g = rng.normal(size=(2, 16, 512)).astype(np.float32)  # view (4, 8, 4, 128)
   index = np.array([0, 6, 7, 15, 16, 16], np.int32)

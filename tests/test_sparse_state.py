@@ -999,10 +999,12 @@ def step_kernels(tx, n):
 @pytest.mark.parametrize("base", ["sparse_adam", "sparse_state(adam)"])
 def test_tile_step_launches_few_kernels_per_leaf(base):
   # On XLA:CPU each kernel is a launch, and a transformer has many small leaves.
-  # Per tile leaf, beyond what Adam's step has: the mask's tiles, the new bits,
-  # the gradient's gather, the compact update and its branch (4 more measured).
-  # Each leaf's slices of the stacks prepared together (for the refresh loops'
-  # operands and the branch's predicate) and the gather's bounds check were 8 more.
+  # Per tile leaf, the entry computation has 4 kernels more than Adam's step (9
+  # against 5 on jax 0.10.2 and 0.12): the tile step's own work (the mask's tiles,
+  # the new bits, the gradient's gather, the compact update and its branch) less
+  # what it does not share with Adam's. Each leaf's slices of the stacks prepared
+  # together (for the refresh loops' operands and for the branch's predicate) and
+  # the gather's bounds check were 8 more.
   storage = dict(mode="compact", density=0.5, block=(2, 4), on_error="record")
   if base == "sparse_adam":
     tx = magma.sparse_adam(LR, **storage)
@@ -1012,7 +1014,7 @@ def test_tile_step_launches_few_kernels_per_leaf(base):
   per_leaf = (step_kernels(tx, 6) - step_kernels(tx, 2)) / 4
   adam = optax.adam(LR)
   adam_per_leaf = (step_kernels(adam, 6) - step_kernels(adam, 2)) / 4
-  assert per_leaf <= adam_per_leaf + 5, (per_leaf, adam_per_leaf)
+  assert per_leaf <= adam_per_leaf + 4, (per_leaf, adam_per_leaf)
 
 
 def test_tile_leaf_failing_in_a_batch_is_the_one_recorded():
