@@ -58,14 +58,14 @@ import numpy as np
 import optax
 
 import magma_optax as magma
-from magma_optax import _blocks
-from magma_optax import _compat
 from magma_optax import kernels
+from magma_optax._core import blocks as _blocks
+from magma_optax._core import compat as _compat
 from magma_optax.kernels import api
-from magma_optax.kernels import pallas_tiles
 from magma_optax.kernels import partitioned
 from magma_optax.kernels import reference
-from magma_optax.kernels import tiles
+from magma_optax.kernels.tiles import api as tiles
+from magma_optax.kernels.tiles import pallas as pallas_tiles
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sparse_state  # noqa: E402
@@ -343,7 +343,7 @@ def tile_bandwidth(shape, block, densities, rounds, backend, interpret=False) ->
 
 def check_top_k(shape=(1024, 1024)) -> bool:
   """``periodic_mask``'s top-k (sampled search, ties) on this device vs numpy."""
-  from magma_optax._topk import top_k_mask as _top_k_mask
+  from magma_optax.pruning.topk import top_k_mask as _top_k_mask
 
   rng = np.random.default_rng(0)
   n = int(np.prod(shape))

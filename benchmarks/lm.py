@@ -65,8 +65,8 @@ import numpy as np
 import optax
 
 import magma_optax as magma
-from magma_optax import corpus
-from magma_optax.flax import llama
+from magma_optax.demo import corpus
+from magma_optax.demo import llama
 
 PAPER_LRS = (1e-4, 5e-4, 1e-3, 5e-3, 1e-2)
 METHODS = (

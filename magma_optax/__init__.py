@@ -5,36 +5,36 @@ Adaptive Optimizers, arXiv 2602.15322, 2026), block masks, and sparse training.
 """
 
 from magma_optax import sharding  # public submodule: magma_optax.sharding
-from magma_optax._adam_magma import AdamMagmaState
-from magma_optax._adam_magma import adam_magma
-from magma_optax._alignment import AlignmentMaskState
-from magma_optax._alignment import alignment_mask
-from magma_optax._blocks import BlockLayout
-from magma_optax._blocks import block_layout
-from magma_optax._damping import damping
-from magma_optax._labels import attention_mlp_weights
-from magma_optax._labels import transformer_labels
-from magma_optax._masked_decay import MaskedWeightDecayState
-from magma_optax._masked_decay import masked_weight_decay
-from magma_optax._masks import BernoulliMaskState
-from magma_optax._masks import bernoulli_mask
-from magma_optax._periodic import PeriodicMaskState
-from magma_optax._periodic import periodic_mask
-from magma_optax._scope_report import ScopeReport
-from magma_optax._scope_report import ScopeRow
-from magma_optax._scope_report import scope_report
-from magma_optax._sparse_state import SparseState
-from magma_optax._sparse_state import check_sparse_state
-from magma_optax._sparse_state import host_offload_available
-from magma_optax._sparse_state import offload_sparse_state
-from magma_optax._sparse_state import sparse_adam
-from magma_optax._sparse_state import sparse_state
-from magma_optax._sparsity import linear_sparsity_schedule
-from magma_optax._sparsity import polynomial_sparsity_schedule
-from magma_optax._stats import mask_stats
-from magma_optax._wrappers import MaskedUpdateState
-from magma_optax._wrappers import magma
-from magma_optax._wrappers import skip_update
+from magma_optax._core.blocks import BlockLayout
+from magma_optax._core.blocks import block_layout
+from magma_optax._core.labels import attention_mlp_weights
+from magma_optax._core.labels import transformer_labels
+from magma_optax.masking.adam_magma import AdamMagmaState
+from magma_optax.masking.adam_magma import adam_magma
+from magma_optax.masking.alignment import AlignmentMaskState
+from magma_optax.masking.alignment import alignment_mask
+from magma_optax.masking.bernoulli import BernoulliMaskState
+from magma_optax.masking.bernoulli import bernoulli_mask
+from magma_optax.masking.damping import damping
+from magma_optax.masking.methods import MaskedUpdateState
+from magma_optax.masking.methods import magma
+from magma_optax.masking.methods import skip_update
+from magma_optax.masking.scope_report import ScopeReport
+from magma_optax.masking.scope_report import ScopeRow
+from magma_optax.masking.scope_report import scope_report
+from magma_optax.masking.stats import mask_stats
+from magma_optax.pruning.masked_decay import MaskedWeightDecayState
+from magma_optax.pruning.masked_decay import masked_weight_decay
+from magma_optax.pruning.periodic import PeriodicMaskState
+from magma_optax.pruning.periodic import periodic_mask
+from magma_optax.pruning.schedules import linear_sparsity_schedule
+from magma_optax.pruning.schedules import polynomial_sparsity_schedule
+from magma_optax.sparse.step import SparseState
+from magma_optax.sparse.step import check_sparse_state
+from magma_optax.sparse.step import host_offload_available
+from magma_optax.sparse.step import offload_sparse_state
+from magma_optax.sparse.step import sparse_adam
+from magma_optax.sparse.step import sparse_state
 
 __version__ = "0.1.0"
 

@@ -70,11 +70,11 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
-from magma_optax import _alignment
-from magma_optax import _blocks
-from magma_optax import _compat
-from magma_optax import _engine
-from magma_optax import _trees
+from magma_optax._core import blocks as _blocks
+from magma_optax._core import compat as _compat
+from magma_optax._core import trees as _trees
+from magma_optax.masking import alignment as _alignment
+from magma_optax.masking import engine as _engine
 
 __all__ = ("abstract_state", "block_cosine", "init", "state_shardings", "tile_shards")
 

@@ -260,7 +260,7 @@ def _abstract(shape, spec):
 
 
 def test_reshape_of_explicit_sharded_axes_keeps_them_on_the_major_piece():
-  from magma_optax import _compat
+  from magma_optax._core import compat as _compat
 
   mesh = jax.make_mesh((1, 1), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
   x = jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(mesh, P("x", "y")))

@@ -12,10 +12,10 @@ except ImportError as e:  # say which extra brings it
     ' pip install "magma-optax[flax]" (or "magma-optax[demo]" for the demo too).'
   ) from e
 
-from magma_optax.flax import llama
+from magma_optax.demo import llama
+from magma_optax.demo.llama import Llama
+from magma_optax.demo.llama import LlamaConfig
 from magma_optax.flax import scaling
-from magma_optax.flax.llama import Llama
-from magma_optax.flax.llama import LlamaConfig
 from magma_optax.flax.scaling import ScaledMaskedDense
 from magma_optax.flax.scaling import ScaledMaskedLinear
 from magma_optax.flax.scaling import SparsityMask

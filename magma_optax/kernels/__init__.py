@@ -21,8 +21,8 @@ from magma_optax.kernels.config import BlockSizes
 from magma_optax.kernels.reference import AdamConstants
 from magma_optax.kernels.reference import MaskedAdamOutput
 from magma_optax.kernels.reference import masked_adam_reference
-from magma_optax.kernels.tiles import TileAdamOutput
-from magma_optax.kernels.tiles import tile_adam
+from magma_optax.kernels.tiles.api import TileAdamOutput
+from magma_optax.kernels.tiles.api import tile_adam
 
 __all__ = (
   "DEFAULT_IMPLEMENTATIONS",

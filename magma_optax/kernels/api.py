@@ -74,12 +74,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from magma_optax import _blocks
-from magma_optax import _compat
+from magma_optax._core import blocks as _blocks
+from magma_optax._core import compat as _compat
 from magma_optax.kernels import config as config_lib
-from magma_optax.kernels import pallas_gpu
 from magma_optax.kernels import partitioned
 from magma_optax.kernels import reference
+from magma_optax.kernels import triton as pallas_gpu
 
 IMPLEMENTATIONS = ("xla", "pallas")
 INTERPRETERS = (False, True, "tpu", "gpu")

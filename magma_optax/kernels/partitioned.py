@@ -59,13 +59,13 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
-from magma_optax import _blocks
-from magma_optax import _compat
+from magma_optax._core import blocks as _blocks
+from magma_optax._core import compat as _compat
 from magma_optax.kernels import config as config_lib
-from magma_optax.kernels import pallas_gpu
-from magma_optax.kernels import pallas_mgpu
-from magma_optax.kernels import pallas_tpu
+from magma_optax.kernels import mosaic_gpu as pallas_mgpu
+from magma_optax.kernels import mosaic_tpu as pallas_tpu
 from magma_optax.kernels import reference
+from magma_optax.kernels import triton as pallas_gpu
 
 BACKENDS = ("triton", "mosaic_tpu", "mosaic_gpu")
 

@@ -32,8 +32,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from magma_optax import _blocks
-from magma_optax import _freeze
+from magma_optax._core import blocks as _blocks
+from magma_optax.sparse import freeze as _freeze
 
 LEARNING_RATE, BIAS_CORRECTION1, BIAS_CORRECTION2, WEIGHT_DECAY = range(4)
 NUM_HYPERPARAMS = 4

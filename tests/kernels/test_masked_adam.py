@@ -9,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from magma_optax import _blocks
-from magma_optax import _compat
 from magma_optax import kernels
+from magma_optax._core import blocks as _blocks
+from magma_optax._core import compat as _compat
 from magma_optax.kernels import api
-from magma_optax.kernels import pallas_gpu
 from magma_optax.kernels import partitioned
+from magma_optax.kernels import triton as pallas_gpu
 
 B1, B2, EPS = 0.9, 0.999, 1e-8
 

@@ -25,11 +25,11 @@ import optax
 import pytest
 
 import magma_optax as magma
-from magma_optax import _blocks
-from magma_optax import _compat
 from magma_optax import kernels
+from magma_optax._core import blocks as _blocks
+from magma_optax._core import compat as _compat
 from magma_optax.kernels import api
-from magma_optax.kernels import pallas_tpu
+from magma_optax.kernels import mosaic_tpu as pallas_tpu
 
 NO_GPU_INTERPRETER = (
   f"jax {jax.__version__} has no Mosaic GPU interpreter"
@@ -278,7 +278,7 @@ def test_pallas_picks_the_backends_kernel(monkeypatch, backend, device, want):
 
 @pytest.mark.skipif(not _compat.has_mosaic_gpu(), reason=NO_GPU_INTERPRETER)
 def test_mosaic_gpu_tiles_fit_bulk_copies():
-  from magma_optax.kernels import pallas_mgpu
+  from magma_optax.kernels import mosaic_gpu as pallas_mgpu
 
   g = jnp.ones((4, 8))
   with pytest.raises(ValueError, match="multiple of 4"):

@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from magma_optax import _compat
-from magma_optax.kernels import pallas_tiles
+from magma_optax._core import compat as _compat
 from magma_optax.kernels import reference
+from magma_optax.kernels.tiles import pallas as pallas_tiles
 
 NO_GPU_INTERPRETER = (
   f"jax {jax.__version__} has no Mosaic GPU interpreter"

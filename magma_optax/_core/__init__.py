@@ -1,0 +1,1 @@
+"""The private core: helpers every concern shares; imports no other subpackage."""

@@ -1,0 +1,199 @@
+"""The fused masked-Adam step as a Pallas Triton kernel (GPU; interpreter on CPU).
+
+One pass over memory per leaf: each program loads a tile of g, m, v (and p for weight
+decay, the parameter mask where given), computes the new moments, the masked update
+and the three per-row partial sums of Magma's cosine in float32 registers, and stores
+m', v', the update and the partial sums. m and v are aliased to m' and v' (in place
+when the caller donates them). The partial sums of a block are the sum of its rows'
+sums (a tiny XLA reduction after the kernel).
+
+Layout: the leaf is seen as ``(num_blocks, block_size)`` -- which requires each mask
+block to be contiguous in memory (``"tensor"``, ``"row"``, ``"element"`` and any
+``stack_axes``; not ``"column"`` or tiles) -- every block is padded to a multiple of
+``block_cols`` and cut into rows, and rows are padded to a multiple of ``block_rows``.
+Padding copies the leaf, so it costs bandwidth; sizes that are multiples of the tile
+need none. The parameter mask travels as int8 (Triton loads bytes, not bits).
+
+This kernel runs where Triton is the only option (jax < 0.12, GPUs older than
+Hopper; see :mod:`pallas_mgpu` for why) and under the generic Pallas interpreter
+(``interpret=True``). TPUs get :mod:`pallas_tpu` (Mosaic needs (8, 128) tiles and
+sums accumulated over an "arbitrary" grid axis: a different kernel), Hopper GPUs
+on jax >= 0.12 get :mod:`pallas_mgpu`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from magma_optax._core import blocks as _blocks
+from magma_optax._core import compat as _compat
+from magma_optax.kernels import config as config_lib
+from magma_optax.kernels import reference
+
+
+def is_contiguous(layout: _blocks.BlockLayout) -> bool:
+  """Whether each block of ``layout`` is one contiguous run of memory."""
+  n = len(layout.expanded_shape)
+  k = len(layout.reduce_axes)
+  return tuple(layout.reduce_axes) == tuple(range(n - k, n))
+
+
+def check_contiguous(layout: _blocks.BlockLayout) -> None:
+  """Raises ``ValueError`` unless every block of ``layout`` is contiguous."""
+  if not is_contiguous(layout):
+    raise ValueError(
+      "the Pallas kernel needs each mask block contiguous in memory (granularity"
+      " 'tensor', 'row' or 'element'); this leaf's layout"
+      f" {layout.expanded_shape} reduces axes {layout.reduce_axes}."
+    )
+
+
+def _kernel(*refs, constants, has_mask, has_params):
+  """One (block_rows, block_cols) tile; see the module docstring."""
+  it = iter(refs)
+  hyper_ref, scale_ref, g_ref, m_ref, v_ref = (next(it) for _ in range(5))
+  mask_ref = next(it) if has_mask else None
+  p_ref = next(it) if has_params else None
+  m_out, v_out, u_out, dot_out, msq_out, gsq_out = it
+  g = g_ref[...].astype(jnp.float32)
+  keep = mask_ref[...] != 0 if has_mask else None
+  p = p_ref[...] if has_params else None
+  new_m, new_v, u = reference.tile_adam(
+    g, m_ref[...], v_ref[...], keep, p, hyper_ref, constants
+  )
+  u = u * scale_ref[...][:, None]
+  out_m = new_m.astype(m_out.dtype)
+  # The sums see the stored moment, as a cosine computed after the step would.
+  sm = out_m.astype(jnp.float32)
+  if has_mask:
+    u = jnp.where(keep, u, 0.0)
+    sm = jnp.where(keep, sm, 0.0)
+    g = jnp.where(keep, g, 0.0)
+  m_out[...] = out_m
+  v_out[...] = new_v.astype(v_out.dtype)
+  u_out[...] = u.astype(u_out.dtype)
+  dot_out[...] = jnp.sum(sm * g, axis=1)
+  msq_out[...] = jnp.sum(sm * sm, axis=1)
+  gsq_out[...] = jnp.sum(g * g, axis=1)
+
+
+def to_rows(x, num_blocks, block_size, padded_size, num_rows, cols):
+  """(leaf) -> (num_rows, cols): blocks padded to ``padded_size``, rows padded."""
+  x = x.reshape(num_blocks, block_size)
+  if padded_size != block_size:
+    x = jnp.pad(x, ((0, 0), (0, padded_size - block_size)))
+  x = x.reshape(-1, cols)
+  if x.shape[0] != num_rows:
+    x = jnp.pad(x, ((0, num_rows - x.shape[0]), (0, 0)))
+  return x
+
+
+def from_rows(x, shape, num_blocks, block_size, padded_size):
+  """(num_rows, cols) -> the leaf: the inverse of :func:`to_rows`."""
+  x = x[: num_blocks * padded_size // x.shape[1]].reshape(num_blocks, padded_size)
+  return x[:, :block_size].reshape(shape)
+
+
+def row_sums_to_blocks(row_sums, layout: _blocks.BlockLayout, rows_per_block: int):
+  """Per-row partial sums -> per-block sums of ``layout.block_shape``."""
+  nb = layout.num_blocks
+  per_block = row_sums[: nb * rows_per_block].reshape(nb, rows_per_block)
+  return jnp.sum(per_block, axis=1).reshape(layout.block_shape)
+
+
+def masked_adam_pallas(
+  grad: jax.Array,
+  mu: jax.Array,
+  nu: jax.Array,
+  hyper: jax.Array,
+  constants: reference.AdamConstants,
+  *,
+  scale: jax.Array | None = None,
+  layout: _blocks.BlockLayout | None = None,
+  param_mask: jax.Array | None = None,
+  params: jax.Array | None = None,
+  block_sizes: config_lib.BlockSizes | None = None,
+  interpret: bool = False,
+) -> reference.MaskedAdamOutput:
+  """The Pallas version of :func:`reference.masked_adam_reference` (same arguments).
+
+  Args:
+    block_sizes: tile shape; default :meth:`BlockSizes.get_default`.
+    interpret: run in the Pallas interpreter (any backend; slow, for tests).
+
+  Raises:
+    ValueError: if the layout's blocks are not contiguous.
+  """
+  pl = _compat.pallas()  # lazy: ~0.1 s, only when used
+
+  layout = layout or reference.tensor_layout(grad.shape)
+  check_contiguous(layout)
+  shape = tuple(grad.shape)
+  nb = layout.num_blocks
+  bs = layout.block_size
+  if math.prod(shape) == 0:
+    return reference.masked_adam_reference(
+      grad, mu, nu, hyper, constants, scale=scale, layout=layout,
+      param_mask=param_mask, params=params,
+    )  # fmt: skip
+  sizes = block_sizes or config_lib.BlockSizes.get_default(bs, nb)
+  cols, rows = sizes.block_cols, sizes.block_rows
+  padded = -(-bs // cols) * cols
+  rows_per_block = padded // cols
+  num_rows = -(-(nb * rows_per_block) // rows) * rows
+  rows_of = functools.partial(
+    to_rows, num_blocks=nb, block_size=bs, padded_size=padded,
+    num_rows=num_rows, cols=cols,
+  )  # fmt: skip
+  if scale is None:
+    scale = jnp.ones(layout.block_shape, jnp.float32)
+  row_scale = jnp.repeat(jnp.asarray(scale, jnp.float32).reshape(nb), rows_per_block)
+  row_scale = jnp.pad(row_scale, (0, num_rows - row_scale.shape[0]))
+  inputs = [hyper.astype(jnp.float32), row_scale, rows_of(grad), rows_of(mu)]
+  inputs.append(rows_of(nu))
+  if param_mask is not None:
+    inputs.append(rows_of(param_mask.astype(jnp.int8)))
+  if params is not None:
+    inputs.append(rows_of(params))
+  tile = pl.BlockSpec((rows, cols), lambda i: (i, 0))
+  row_vec = pl.BlockSpec((rows,), lambda i: (i,))
+  hyper_spec = pl.BlockSpec((reference.NUM_HYPERPARAMS,), lambda i: (0,))
+  in_specs = [hyper_spec, row_vec] + [tile] * (len(inputs) - 2)
+  sums_shape = jax.ShapeDtypeStruct((num_rows,), jnp.float32)
+  out_shape = (
+    jax.ShapeDtypeStruct((num_rows, cols), mu.dtype),
+    jax.ShapeDtypeStruct((num_rows, cols), nu.dtype),
+    jax.ShapeDtypeStruct((num_rows, cols), grad.dtype),
+    sums_shape,
+    sums_shape,
+    sums_shape,
+  )
+  compiler_params = None
+  if not interpret:
+    compiler_params = _compat.triton_compiler_params(sizes.num_warps or 4)
+  kernel = functools.partial(
+    _kernel,
+    constants=constants,
+    has_mask=param_mask is not None,
+    has_params=params is not None,
+  )
+  new_m, new_v, u, dot, msq, gsq = pl.pallas_call(
+    kernel,
+    out_shape=out_shape,
+    grid=(num_rows // rows,),
+    in_specs=in_specs,
+    out_specs=(tile, tile, tile, row_vec, row_vec, row_vec),
+    input_output_aliases={3: 0, 4: 1},
+    compiler_params=compiler_params,
+    interpret=interpret,
+    name="masked_adam",
+  )(*inputs)
+  back = functools.partial(
+    from_rows, shape=shape, num_blocks=nb, block_size=bs, padded_size=padded
+  )
+  sums = (row_sums_to_blocks(x, layout, rows_per_block) for x in (dot, msq, gsq))
+  return reference.MaskedAdamOutput(back(new_m), back(new_v), back(u), *sums)

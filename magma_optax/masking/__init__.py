@@ -1,0 +1,1 @@
+"""Update masks: the paper's methods (which updates land this step)."""

@@ -1,0 +1,419 @@
+"""Adam + Magma as one fused optimizer: the same updates as ``magma(optax.adam(...))``.
+
+``adam_magma`` computes, per leaf and in one kernel call (:func:`kernels.masked_adam`),
+Adam's moments, Magma's alignment sums and the masked, scaled update, instead of
+running ``optax.adam`` and then a second pass for the cosine and the mask. Planning,
+the draws and the mask state come from the same engine and rule as the wrapper's
+(:mod:`magma_optax._engine`, ``_alignment.AlignmentRule``: one draw per (key, step,
+leaf path, block)), so for the same key and hyperparameters the updates equal
+``magma.magma(optax.adam(...))`` (``optax.adamw`` with ``weight_decay``) up to float32
+rounding of the reductions. The score is one pure function of the step's sums: the
+kernel calls it to scale the update, and it is evaluated again on the sums the
+kernel returns (the same ones) for the state.
+
+The state keeps Adam's ``count``, ``mu`` and ``nu`` (found by name, as for
+``optax.adam``), ``mu_sq_norm`` (||mu||^2 per block, carried so that the cosine costs
+no extra pass over mu) and an :class:`AlignmentMaskState` (scores, last mask, active
+fractions), so :func:`magma_optax.mask_stats` reads it unchanged. If you edit ``mu``
+outside the optimizer, update ``mu_sq_norm`` too (a step with ``param_mask`` given
+recomputes it; so does a step after one whose float32 ``||mu||^2`` overflowed).
+
+Each step runs in two halves (:func:`kernels.start_masked_adam`, then
+:func:`kernels.finish_masked_adam`): first every leaf's block sums, then -- only
+where a block's float32 sums are not finite, in one branch for the whole tree --
+those blocks recomputed rescaled (``_alignment.settle_sums``), then the scores and
+the scaled updates. A carried ``||m_t||^2`` that cancels (m_t nearly zero next to
+``b1 m_{t-1}`` and ``(1 - b1) g``; :func:`kernels.carried_sums`) is NaN too, and
+summed directly the same way; blocks of fewer than ``kernels.api.DIRECT_BELOW``
+(16) entries, where that is frequent, sum it directly every step. So the cosines
+are exact for every block of finite entries, as in ``magma(optax.adam)``.
+
+Extra arg ``param_mask`` (a pytree of bools like the params, each leaf of its
+parameter's shape -- another shape is a ``ValueError``, not a broadcast -- ``None``
+leaves allowed): entries where it is False do not exist -- their moments are frozen,
+their update is 0 and they are left out of the cosine -- the convention of
+``magma.periodic_mask``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from magma_optax import kernels
+from magma_optax._core import blocks as _blocks
+from magma_optax._core import compat as _compat
+from magma_optax._core import schedules as _schedules
+from magma_optax._core import scoping as _scoping
+from magma_optax._core import trees as _trees
+from magma_optax.masking import alignment as _alignment
+from magma_optax.masking import engine as _engine
+
+
+class AdamMagmaState(NamedTuple):
+  """State of :func:`adam_magma`.
+
+  Attributes:
+    count: int32 scalar, number of updates so far (Adam's bias-correction step).
+    mu: pytree like the params, Adam's first moment (``mu_dtype`` or the params').
+    nu: pytree like the params, Adam's second moment.
+    mu_sq_norm: per leaf an f32 array of the leaf's block shape, ||mu||^2 per block
+      (``optax.MaskedNode`` where unscoped): carried so that the next step's
+      ||mu_t||^2 needs no extra pass (see :mod:`magma_optax.kernels.api`).
+    mask_state: :class:`AlignmentMaskState`: per-block scores s_t, the last masks
+      z_t, active fractions (``momentum`` is all ``MaskedNode``: ``mu`` serves).
+  """
+
+  count: jax.Array
+  mu: Any
+  nu: Any
+  mu_sq_norm: Any
+  mask_state: _alignment.AlignmentMaskState
+
+
+def _check_real(tree: Any) -> None:
+  """The fused kernel is real-valued: complex leaves are an error, not a real update."""
+  paths = [
+    jax.tree_util.keystr(path)
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+    if jnp.iscomplexobj(x)
+  ]
+  if paths:
+    raise ValueError(
+      f"adam_magma does not support complex parameters (at {paths}); use"
+      " magma.magma(optax.adam(...)), whose base Adam handles complex leaves."
+    )
+
+
+def _static_float(name: str, value: Any, valid: str) -> float:
+  """A Python float from ``value``; traced values cannot be kernel constants."""
+  if _compat.is_tracer(value):
+    raise ValueError(
+      f"{name} must be a Python float ({valid}), not a traced value: it is a"
+      " constant of the fused kernel. With optax.inject_hyperparams, pass"
+      " static_args=('b1', 'b2', 'eps', 'eps_root')."
+    )
+  if isinstance(value, bool):
+    raise ValueError(f"{name} must be a float {valid}; got {value!r}.")
+  try:
+    return float(value)
+  except (TypeError, ValueError):
+    raise ValueError(f"{name} must be a float {valid}; got {value!r}.") from None
+
+
+def _check_unit(name: str, value: Any) -> float:
+  value = _static_float(name, value, "in [0, 1)")
+  return float(_schedules.check_decay(name, value))
+
+
+def _check_nonnegative(name: str, value: Any) -> Any:
+  return _schedules.check_range(
+    name, value, 0.0, float("inf"), low_open=False, high_open=True
+  )
+
+
+def adam_magma(
+  learning_rate: _schedules.ScalarOrSchedule,
+  *,
+  b1: float = 0.9,
+  b2: float = 0.999,
+  eps: float = 1e-8,
+  eps_root: float = 0.0,
+  weight_decay: _schedules.ScalarOrSchedule = 0.0,
+  mu_dtype: Any = None,
+  tau: _schedules.ScalarOrSchedule = 2.0,
+  keep_prob: _schedules.ScalarOrSchedule | dict = 0.5,
+  key: _engine.KeyLike = 0,
+  score_decay: float = 0.9,
+  init_score: float = 0.5,
+  granularity: _blocks.Granularity = "tensor",
+  stack_axes: int | None = None,
+  where: _scoping.Where = None,
+  labels: _scoping.Labels = None,
+  implementation: str | Sequence[str] | None = None,
+  interpret: bool | str = False,
+  block_sizes: kernels.BlockSizes | None = None,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Adam (or AdamW) with Magma masking, fused: one kernel call per leaf.
+
+  Per block b, with gradient g_t (Algorithm 1 of the paper, dense moments)::
+
+      m_t = b1 m_{t-1} + (1 - b1) g_t;      v_t = b2 v_{t-1} + (1 - b2) g_t^2
+      Delta_t = -lr (m_t / (1 - b1^t)) / (sqrt(v_t / (1 - b2^t) + eps_root) + eps)
+                - lr weight_decay theta_{t-1}
+      s_t = score_decay s_{t-1} + (1 - score_decay) sigmoid(cos(m_t, g_t) / tau)
+      z_t ~ Bernoulli(keep_prob);           u_t = s_t z_t Delta_t
+
+  Same updates as ``magma.magma(optax.adam(lr, b1, b2, eps, eps_root), tau=tau,
+  keep_prob=keep_prob, key=key, ...)`` (``optax.adamw(..., weight_decay=wd)`` when
+  ``weight_decay`` is nonzero) for the same key, without ``param_mask`` (the
+  wrapper passes no ``param_mask`` to ``optax.adam``: it updates every entry).
+  Cost: Adam's passes plus two
+  block reductions (<m_t, g>, ||g||^2); ||m_t||^2 is carried (summed directly in
+  blocks of fewer than 16 entries, or where the carry cancels). On a 2-core CPU that
+  measured 1.45-1.7x ``optax.adam`` (``benchmarks/RESULTS.md``). Leaves out of
+  ``where`` take the plain Adam(W) update.
+
+  Args:
+    learning_rate: float or ``optax.Schedule`` of the step count.
+    b1, b2: Adam's decay rates, in [0, 1).
+    eps, eps_root: Adam's epsilons, >= 0.
+    weight_decay: decoupled weight decay >= 0 (AdamW), float or schedule; applied to
+      every leaf, like ``optax.adamw(mask=None)``. Needs ``params`` in ``update``.
+    mu_dtype: dtype of the first moment (default: the parameter's).
+    tau: temperature tau > 0 of Magma's sigmoid (paper: 2.0); float or schedule.
+    keep_prob: probability in (0, 1] of keeping a block (paper: 0.5); float,
+      schedule or mapping label -> probability.
+    key: PRNG key (int or ``jax.random.key``), keyword-only, default 0.
+    score_decay: EMA decay of the score, in [0, 1) (paper: 0.9).
+    init_score: s_0 in [0, 1] (default 0.5).
+    granularity: block granularity (``"tensor"``, ``"row"``, ``"column"``,
+      ``"element"`` or a tile shape). The Pallas kernel needs contiguous blocks
+      (not ``"column"`` or tiles); the default falls back to XLA for those.
+    stack_axes: number of leading axes that index stacked (scanned) layers
+      (``None``: 0, which keeps it out of ``optax.inject_hyperparams``).
+    where: which leaves get Magma (``None``: all floating leaves; e.g.
+      :func:`attention_mlp_weights`, the paper's scope).
+    labels: labels for per-label keep probabilities and statistics.
+    implementation: kernel choice, see :func:`magma_optax.kernels.masked_adam`:
+      ``"xla"``, ``"pallas"``, a sequence, or ``None``
+      (``kernels.DEFAULT_IMPLEMENTATIONS``, XLA for now).
+    interpret: run the Pallas kernel on CPU in an interpreter (tests only, small
+      sizes; slow). ``False`` (default) compiles for the device; ``True`` runs the
+      Triton-layout kernel in the generic Pallas interpreter; ``"tpu"`` the Mosaic
+      TPU kernel in the TPU interpreter (``pltpu.InterpretParams``); ``"gpu"`` the
+      Mosaic GPU kernel in its interpreter (``plgpu.InterpretGPUParams``, jax >=
+      0.12). Used with ``implementation="pallas"``. Any other value, or an
+      interpreter the installed jax lacks, raises ``ValueError`` at the first
+      update (see :func:`magma_optax.kernels.masked_adam`).
+    block_sizes: Pallas tile shape (default: the heuristic).
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` with an :class:`AdamMagmaState`;
+    ``update`` accepts the extra arg ``param_mask``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import magma_optax as magma
+    >>> tx = magma.adam_magma(1e-3, key=0)
+    >>> params = {"w": jnp.ones((3, 4))}
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({"w": jnp.ones((3, 4))}, state, params)
+    >>> params = optax.apply_updates(params, updates)
+
+  References:
+    Joo et al., On Surprising Effectiveness of Masking Updates in Adaptive
+    Optimizers, arXiv 2602.15322 (2026), Algorithm 1; Kingma & Ba, Adam,
+    arXiv 1412.6980; Loshchilov & Hutter, AdamW, arXiv 1711.05101.
+  """
+  arguments = dict(locals())  # the arguments, for from_arguments below
+  b1 = _check_unit("b1", b1)
+  b2 = _check_unit("b2", b2)
+  eps = _static_float("eps", eps, ">= 0")
+  eps_root = _static_float("eps_root", eps_root, ">= 0")
+  for name, value in (("eps", eps), ("eps_root", eps_root)):
+    if value < 0:
+      raise ValueError(f"{name} must be a float >= 0; got {value!r}.")
+  learning_rate = _check_nonnegative("learning_rate", learning_rate)
+  weight_decay = _check_nonnegative("weight_decay", weight_decay)
+  if isinstance(implementation, str) or implementation is None:
+    impls = () if implementation is None else (implementation,)
+  else:
+    impls = tuple(implementation)
+  for impl in impls:
+    if impl not in kernels.IMPLEMENTATIONS:
+      raise ValueError(
+        f"implementation must be one of {kernels.IMPLEMENTATIONS}, a sequence of"
+        f" them, or None; got {implementation!r}."
+      )
+  mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
+  has_decay = (
+    _schedules.is_schedule(weight_decay)
+    or _compat.is_tracer(weight_decay)  # optax.inject_hyperparams
+    or weight_decay != 0.0
+  )
+  # The same engine (config, rule, draws, state) as magma(optax.adam(...)).
+  rule = _engine.from_arguments(_alignment.AlignmentRule.create, arguments)
+  engine = _engine.BlockMask(
+    _engine.from_arguments(_engine.MaskConfig.create, arguments),
+    rule,
+  )
+
+  def init_fn(params):
+    _check_real(params)
+    mu = optax.tree.zeros_like(params, dtype=mu_dtype)
+    # mu serves as Magma's momentum: no own EMA is allocated.
+    mask_state = engine.init(params, momentum=jax.tree.leaves(mu))
+    return AdamMagmaState(
+      count=jnp.zeros([], jnp.int32),
+      mu=mu,
+      nu=optax.tree.zeros_like(params),
+      mu_sq_norm=jax.tree.map(jnp.zeros_like, mask_state.scores),
+      mask_state=mask_state,
+    )
+
+  def update_fn(updates, state, params=None, *, param_mask=None, **extra_args):
+    del extra_args
+    _check_real(updates)
+    if has_decay and params is None:
+      raise ValueError(
+        "adam_magma with weight_decay needs the params: call update(grads,"
+        " state, params)."
+      )
+    mask_state = state.mask_state
+    plans, treedef, masks, _ = engine.prepare(updates, mask_state)
+    count = mask_state.count
+    count_inc = optax.safe_increment(state.count)
+    lr = _schedules.evaluate(learning_rate, state.count)
+    wd = _schedules.evaluate(weight_decay, state.count) if has_decay else 0.0
+    grads = treedef.flatten_up_to(updates)
+    mus = treedef.flatten_up_to(state.mu)
+    nus = treedef.flatten_up_to(state.nu)
+    ps = treedef.flatten_up_to(params) if has_decay else [None] * len(grads)
+    if param_mask is None:
+      pms = [None] * len(grads)
+    else:
+      pms = _trees.split_param_mask_like(treedef, param_mask, grads)
+    blank = [optax.MaskedNode()] * len(grads)
+    old_scores = treedef.flatten_up_to(mask_state.scores) if plans else blank
+    old_norms = treedef.flatten_up_to(state.mu_sq_norm) if plans else blank
+    # First half for every leaf: the step's block sums (scoped leaves) ...
+    pending = []
+    for i, plan in enumerate(plans):
+      pending.append(
+        kernels.start_masked_adam(
+          grads[i],
+          mus[i],
+          nus[i],
+          count=count_inc,
+          learning_rate=lr,
+          b1=b1,
+          b2=b2,
+          eps=eps,
+          eps_root=eps_root,
+          weight_decay=wd,
+          params=ps[i],
+          param_mask=pms[i],
+          layout=plan.layout,
+          implementation=implementation,
+          interpret=interpret,
+          block_sizes=block_sizes,
+          with_sums=plan.layout is not None,
+          mu_sq_norm_prev=None if plan.layout is None else old_norms[i],
+        )
+      )
+    # ... the blocks whose float32 sums are not finite (an overflow, or a carry
+    # lost to one or to cancellation) recomputed exactly, in one branch for the
+    # whole tree ...
+    pending, sums, norms = _settle(pending, b1)
+    # ... then the scores, and the second half: the scaled updates.
+    out, new_mu, new_nu, new_scores, new_norms = [], [], [], [], []
+    for i, plan in enumerate(plans):
+      scale = score = None
+      if plan.layout is not None:
+        cos = _alignment.cosine_from_sums(*sums[i])
+        score = rule.score(old_scores[i], cos, count)
+        scale = score * masks[i]
+      res = kernels.finish_masked_adam(pending[i], scale)
+      if plan.layout is None:
+        new_norms.append(optax.MaskedNode())
+        new_scores.append(optax.MaskedNode())
+      else:
+        if pms[i] is None:
+          norm = norms[i]
+        else:  # the sums covered existing entries only; the carry needs all
+          norm = plan.layout.block_sum(jnp.square(res.mu.astype(jnp.float32)))
+        new_norms.append(norm)
+        new_scores.append(score)
+      out.append(res.update)
+      new_mu.append(res.mu)
+      new_nu.append(res.nu)
+    overall, by_label = _engine.active_fractions(plans, masks)
+    new_mask_state = mask_state._replace(
+      count=optax.safe_increment(count),
+      scores=_engine.block_tree(treedef, new_scores, False, jnp.float32),
+      mask=_engine.block_tree(treedef, masks, False, jnp.bool_),
+      active_fraction=overall,
+      active_fraction_by_label=by_label,
+    )
+    new_state = AdamMagmaState(
+      count=count_inc,
+      mu=treedef.unflatten(new_mu),
+      nu=treedef.unflatten(new_nu),
+      mu_sq_norm=_engine.block_tree(treedef, new_norms, False, jnp.float32),
+      mask_state=new_mask_state,
+    )
+    return treedef.unflatten(out), new_state
+
+  return optax.GradientTransformationExtraArgs(*_compat.typed(init_fn, update_fn))
+
+
+def _settle(pending: list[Any], b1: float) -> tuple[list[Any], list[Any], list[Any]]:
+  """The scoped leaves' sums with non-finite blocks made exact; the carries.
+
+  Returns ``(pending, sums, norms)`` per leaf (``None`` for unscoped leaves):
+  ``pending`` to finish the step with, the sums for the cosine
+  (:func:`_alignment.settle_sums`: exact wherever the block's entries are finite)
+  and ``||m_t||^2`` to carry (summed directly where the carried one was lost).
+
+  A float32 sum that overflows (entries beyond about ``1e19 / sqrt(block size)``)
+  also leaves the carry ``||m||^2`` inf or NaN, and ``kernels.carried_sums`` (or
+  ``derived_sums``, from ``||m_{t-1}||^2``) NaN from then on: those blocks are
+  recomputed from ``m_t`` and ``g`` too, as ``magma(adam)`` sums them; so are
+  blocks whose derived ``||m_t||^2`` cancelled (NaN as well). The XLA
+  path has ``m_t`` already, and passes it through the branch (the step returns
+  it); the Pallas path computes it there from ``m_{t-1}``, once per reduction, and
+  passes ``m_{t-1}`` through (the kernel overwrites its donated buffer later).
+  """
+  scoped = [i for i, p in enumerate(pending) if p.sums is not None]
+  sums, norms = [None] * len(pending), [None] * len(pending)
+  if not scoped:
+    return pending, sums, norms
+  # Through the branch: the XLA leaves' new f32 moments (the step returns them) and
+  # the Pallas leaves' m_{t-1} (the kernel overwrites it), read by the others.
+  ops = [
+    p.mu if p.moments is None else p.moments[0] for p in (pending[i] for i in scoped)
+  ]
+  reads = [(pending[i].grad, pending[i].param_mask) for i in scoped]
+
+  def vectors(ops, reads):
+    out = []
+    for i, op, (grad, pm) in zip(scoped, ops, reads, strict=True):
+      p = pending[i]
+      if p.moments is not None:  # XLA: m_t as the state will hold it
+        m = op.astype(p.mu.dtype)
+      else:  # Pallas: m_t from m_{t-1}, computed again in each reduction
+        m = functools.partial(_moment, b1, op, grad)
+      out.append((m, grad, pm))
+    return out
+
+  settled, plain, ops = _alignment.settle_sums(
+    [pending[i].layout for i in scoped],
+    [pending[i].sums for i in scoped],
+    vectors,
+    ops,
+    reads,
+    direct=False,  # ||m_t||^2 comes from a carry (or m_{t-1}): sum it again
+  )
+  pending = list(pending)
+  for j, i in enumerate(scoped):
+    p = pending[i]
+    if p.moments is None:
+      p = p._replace(mu=ops[j])
+    else:
+      p = p._replace(moments=(ops[j], p.moments[1]))
+    pending[i] = p._replace(sums=settled[j])
+    sums[i], norms[i] = settled[j], plain[j]
+  return pending, sums, norms
+
+
+def _moment(b1: float, mu: jax.Array, grad: jax.Array) -> jax.Array:
+  """``m_t = (1 - b1) g + b1 m_{t-1}`` in ``mu``'s dtype, from inputs of its own
+  (a barrier's outputs), so that each reduction computes it in its own pass."""
+  return kernels.api.next_moment(b1, *jax.lax.optimization_barrier((mu, grad)))

@@ -1,0 +1,556 @@
+"""The block-mask engine: the per-leaf plumbing of every block-mask transform, once.
+
+:func:`bernoulli_mask` and :func:`skip_update` (SkipUpdate), :func:`alignment_mask`,
+:func:`magma` and :func:`adam_magma` (Magma) and :func:`damping` all do the same
+things to a parameter tree; this module does them, and a *rule* says only what
+happens to one leaf's blocks:
+
+1. **Plan** (:class:`MaskConfig`, validated once by :meth:`MaskConfig.create`): which
+   leaves are in scope (``where``), their labels and keep probabilities, their block
+   layout (``granularity``, ``stack_axes``) and the id of their key path.
+2. **Draw**: per block ``z ~ Bernoulli(p)`` with the key
+   ``fold_in(fold_in(key, step), crc32(keystr(path)))`` (:func:`leaf_key`), so a
+   draw depends only on (key, step, the leaf's path in the whole tree, block index),
+   never on the leaf's position, the mesh or the host.
+3. **Scale**: the rule returns a per-block f32 scale and its new per-leaf state;
+   the engine multiplies the update in float32 and keeps its dtype.
+4. **State**: one state layout for every rule -- ``count``, ``key``, ``mask`` (the
+   last ``z``), the rule's own fields, ``active_fraction`` and
+   ``active_fraction_by_label`` -- as the rule's public ``NamedTuple`` type. Each
+   rule field is declared either *per block* (shape ``layout.block_shape``) or *per
+   parameter* (the leaf's shape); unscoped leaves hold ``optax.MaskedNode``.
+5. **Stats**: the active fractions of the drawn masks, overall and per label, and
+   :func:`is_mask_state` for :func:`magma_optax.mask_stats`.
+6. **``optax.tree.map_params``**: per-parameter fields are trees like the params, so
+   a map reaches them; per-block fields and the mask are not parameters, and for
+   optax's leafless placeholder tree they are a scalar (a prefix of any real tree),
+   so a map never casts or reshards block scores as if they were weights.
+7. **Declared layouts**: every scoped leaf's block layout is declared while a
+   :func:`declared_layouts` context is open, so :func:`magma_optax.sharding
+   .state_shardings` gives each per-block array the parameter's partition spec on
+   exactly the axes that index blocks (:attr:`BlockLayout.param_axes`), instead of
+   guessing from shapes.
+
+How a rule plugs in
+-------------------
+
+A rule is a :class:`Rule` subclass in its own module: a state type, the names of its
+fields, and two per-leaf functions. A rule that clips each block's update norm to 1,
+with no state and no random draw, is the whole of::
+
+    class ClipRule(_engine.Rule):
+      draws = False
+
+      def scale(self, leaf):
+        norm = jnp.sqrt(leaf.plan.layout.block_sum(jnp.square(leaf.update)))
+        return jnp.minimum(1.0, 1.0 / norm), {}
+
+    def clip_blocks(*, granularity="tensor", where=None):
+      config = _engine.MaskConfig.create(granularity=granularity, where=where)
+      return _engine.BlockMask(config, ClipRule()).transformation()
+
+A stateful rule sets ``state_type`` (a ``NamedTuple`` with the engine's five fields
+and its own), lists its fields in ``block_fields`` / ``param_fields``, and returns
+their first values from :meth:`Rule.init_leaf`; :meth:`Rule.scale` gets them back
+in ``leaf.state`` and returns the new ones. Nothing else changes: ``mask_stats``,
+sharding, ``map_params``, the draws and the checks come from the engine.
+
+A rule that needs to look at the whole tree before it scales any leaf (Magma
+recomputes, in one branch for the tree, the block sums that overflowed) splits its
+work in two: :meth:`Rule.measure` computes a leaf's statistics, :meth:`Rule.settle`
+sees every scoped leaf's at once, and :meth:`Rule.scale` finds its leaf's settled
+statistics in ``leaf.measured``. Both default to nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+from collections.abc import Callable
+from collections.abc import Iterator
+from collections.abc import Mapping
+from collections.abc import Sequence
+from typing import Any
+from typing import ClassVar
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from magma_optax._core import blocks as _blocks
+from magma_optax._core import compat as _compat
+from magma_optax._core import schedules as _schedules
+from magma_optax._core import scoping as _scoping
+
+KeyLike = Any  # int, a typed key from jax.random.key, or legacy uint32[2] key data
+
+
+def as_key(key: KeyLike) -> jax.Array:
+  """A typed PRNG key from an int, a typed key or raw ``uint32[2]`` key data."""
+  if isinstance(key, jax.Array) and jax.dtypes.issubdtype(
+    key.dtype, jax.dtypes.prng_key
+  ):
+    return key
+  if isinstance(key, (bool, str, bytes)):
+    key_array = jnp.zeros([], jnp.float32)  # falls through to the error
+  else:
+    try:
+      key_array = jnp.asarray(key)
+    except OverflowError:
+      raise ValueError(
+        f"key={key!r} does not fit in an int32 (jax's default integer width); pass"
+        " an int in [-2**31, 2**31) or a typed key from jax.random.key."
+      ) from None
+    except TypeError:
+      key_array = jnp.zeros([], jnp.float32)
+  if jnp.issubdtype(key_array.dtype, jnp.integer) and key_array.ndim == 0:
+    return jax.random.key(key_array)
+  if key_array.dtype == jnp.uint32 and key_array.shape == (2,):
+    return jax.random.wrap_key_data(key_array)
+  raise ValueError(
+    "key must be an int, a typed key from jax.random.key, or uint32[2] key data;"
+    f" got {key!r}."
+  )
+
+
+def leaf_key(key: jax.Array, count: jax.Array, path_id: Any) -> jax.Array:
+  """The key of one leaf's draw at one step (see the module docstring)."""
+  return jax.random.fold_in(jax.random.fold_in(key, count), path_id)
+
+
+def draw_block_masks(
+  key: jax.Array,
+  count: jax.Array,
+  plans: list[_scoping.LeafPlan],
+  probs: list[Any],
+) -> list[Any]:
+  """Per-leaf boolean block masks ``z`` (``MaskedNode`` for unmasked leaves).
+
+  ``probs[i]`` is leaf i's keep probability at this step. Leaves with the same block
+  shape are drawn in one vmapped call: the same bits as one
+  ``bernoulli(leaf_key(key, count, path_id), p, block_shape)`` per leaf (JAX's random
+  functions commute with ``vmap``), in one random-bits computation instead of one
+  per leaf. On a 144-leaf model on CPU that took ``skip_update(adam)`` from 1.24x to
+  1.08x ``optax.adam``.
+  """
+  masks: list[Any] = [optax.MaskedNode()] * len(plans)
+  groups: dict[tuple[int, ...], list[int]] = {}
+  for i, plan in enumerate(plans):
+    if plan.layout is not None:
+      groups.setdefault(tuple(plan.layout.block_shape), []).append(i)
+  for shape, members in groups.items():
+    ids = jnp.asarray([plans[i].path_id for i in members], jnp.uint32)
+    p = jnp.stack([probs[i] for i in members])
+    keys = jax.vmap(leaf_key, in_axes=(None, None, 0))(key, count, ids)
+    z = jax.vmap(lambda k, q, shape=shape: jax.random.bernoulli(k, q, shape))(keys, p)
+    for j, i in enumerate(members):
+      masks[i] = z[j]
+  return masks
+
+
+def scale_blocks(update: jax.Array, layout: _blocks.BlockLayout, scale: jax.Array):
+  """``update * scale`` with per-block f32 ``scale``; keeps the update's dtype."""
+  factor = layout.to_leaf(jnp.asarray(scale, jnp.float32))
+  return (update * factor.astype(jnp.promote_types(update.dtype, jnp.float32))).astype(
+    update.dtype
+  )
+
+
+def active_fractions(
+  plans: list[_scoping.LeafPlan], masks: list[Any]
+) -> tuple[jax.Array, dict[str, jax.Array] | jax.Array]:
+  """Fraction of masked-scope entries whose update was kept: overall and per label.
+
+  For a tree without leaves the per-label entry is a scalar leaf, not ``{}``: that is
+  what ``init`` sees from ``optax.tree.map_params``' placeholder, and a leaf there is
+  a prefix of any real state's label dict (an empty dict would not be).
+  """
+  if not plans:
+    return jnp.zeros([], jnp.float32), jnp.zeros([], jnp.float32)
+  kept: dict[str, Any] = {}
+  total: dict[str, int] = {}
+  for plan, z in zip(plans, masks, strict=True):
+    if plan.layout is None:
+      continue
+    n = jnp.sum(z, dtype=jnp.float32) * plan.layout.block_size
+    kept[plan.label] = kept.get(plan.label, 0.0) + n
+    total[plan.label] = total.get(plan.label, 0) + plan.layout.num_blocks * (
+      plan.layout.block_size
+    )
+  by_label = {
+    label: jnp.asarray(kept[label] / max(total[label], 1), jnp.float32)
+    for label in sorted(kept)
+  }
+  overall = sum(kept.values(), jnp.zeros([], jnp.float32)) / max(sum(total.values()), 1)
+  return jnp.asarray(overall, jnp.float32), by_label
+
+
+# --- declared per-block layouts (read by magma_optax.sharding) ----------------------
+
+_DECLARED: list[dict[tuple[str, tuple[int, ...]], set[tuple[int, ...]]]] = []
+
+
+@contextlib.contextmanager
+def declared_layouts() -> Iterator[dict[tuple[str, tuple[int, ...]], set]]:
+  """Collects the per-block layouts that ``init`` calls declare while it is open.
+
+  Yields a dict ``(keystr(path), block_shape) -> {param_axes, ...}``: for every
+  scoped leaf of every engine transform initialised inside the block, the leaf
+  axes that its per-block arrays index (:attr:`BlockLayout.param_axes`).
+  """
+  record: dict[tuple[str, tuple[int, ...]], set] = {}
+  _DECLARED.append(record)
+  try:
+    yield record
+  finally:
+    _DECLARED.remove(record)
+
+
+def declare(plans: list[_scoping.LeafPlan]) -> None:
+  """Declares the block layouts of ``plans`` to the open contexts (cheap if none)."""
+  for plan in plans:
+    if plan.layout is not None:
+      declare_axes(plan.path, plan.layout.block_shape, plan.layout.param_axes)
+
+
+def declare_axes(
+  path: str, shape: Sequence[int], param_axes: tuple[int | None, ...]
+) -> None:
+  """Declares that the state arrays of shape ``shape`` at the parameter ``path``
+  (its ``keystr``) index the parameter axes ``param_axes`` (one per array axis;
+  ``None``: an axis of no parameter axis, replicated) to the open contexts."""
+  for record in _DECLARED:
+    record.setdefault((path, tuple(shape)), set()).add(tuple(param_axes))
+
+
+# --- configuration --------------------------------------------------------------------
+
+
+def from_arguments(create: Callable[..., Any], arguments: Mapping[str, Any]) -> Any:
+  """``create(**the entries of arguments that create takes)``.
+
+  The factories take the engine's and the rule's arguments in one flat signature and
+  hand them over with ``from_arguments(MaskConfig.create, locals())``, so that no
+  argument list is written out twice (and none can be forgotten on the way).
+  """
+  names = inspect.signature(create).parameters
+  return create(**{k: v for k, v in arguments.items() if k in names})
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class MaskConfig:
+  """The validated arguments every block-mask transform shares.
+
+  Build it with :meth:`create` (which checks every argument once); the factories
+  pass their user's arguments straight through.
+  """
+
+  keep_prob: Any
+  key: jax.Array
+  granularity: _blocks.Granularity
+  stack_axes: int
+  where: _scoping.Where
+  labels: _scoping.Labels
+
+  @classmethod
+  def create(
+    cls,
+    *,
+    keep_prob: Any = 1.0,
+    key: KeyLike = 0,
+    granularity: _blocks.Granularity = "tensor",
+    stack_axes: int | None = None,
+    where: _scoping.Where = None,
+    labels: _scoping.Labels = None,
+  ) -> MaskConfig:
+    """Checks every argument (``ValueError`` naming it) and returns the config."""
+    return cls(
+      keep_prob=_scoping.validate_keep_prob(keep_prob),
+      key=as_key(key),
+      granularity=_blocks.validate_granularity(granularity),
+      stack_axes=_blocks.validate_stack_axes(stack_axes),
+      where=where,
+      labels=labels,
+    )
+
+  def plan(self, tree: Any) -> tuple[list[_scoping.LeafPlan], Any]:
+    """Per-leaf plans of ``tree`` (params at ``init``, updates at ``update``).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from magma_optax import _engine
+      >>> config = _engine.MaskConfig.create(keep_prob=0.5, granularity="row")
+      >>> plans, _ = config.plan({"b": jnp.ones(4), "w": jnp.ones((3, 4))})
+      >>> [(p.path, p.layout.block_shape) for p in plans]
+      [("['b']", ()), ("['w']", (3,))]
+    """
+    return _scoping.plan_leaves(
+      tree,
+      where=self.where,
+      labels=self.labels,
+      keep_prob=self.keep_prob,
+      granularity=self.granularity,
+      stack_axes=self.stack_axes,
+      complex_ok=True,
+    )
+
+
+# --- rules ----------------------------------------------------------------------------
+
+STATE_TYPES: list[type] = []
+
+
+def is_mask_state(x: Any) -> bool:
+  """Whether ``x`` is the state of an engine transform (any rule)."""
+  return isinstance(x, tuple(STATE_TYPES))
+
+
+class LeafStep(NamedTuple):
+  """What a rule sees of one scoped leaf at one step.
+
+  Attributes:
+    plan: the leaf's plan (label, layout, path).
+    update: the update to be scaled (leaf-shaped).
+    signal: the raw gradient for this leaf (for a standalone transform: the
+      incoming update itself).
+    momentum: the base optimizer's first moment for this leaf, or ``None``.
+    mask: the block draw ``z`` (bool, block shape), or ``None`` for a rule that
+      does not draw.
+    keep_prob: f32 scalar, the keep probability at this step (clipped to [0, 1]).
+    count: int32 scalar, the step count (``None`` for a stateless rule).
+    state: dict field -> this leaf's entry of each rule field.
+    measured: what :meth:`Rule.measure` computed for this leaf, after
+      :meth:`Rule.settle` (``None`` for a rule that does not measure).
+  """
+
+  plan: _scoping.LeafPlan
+  update: jax.Array
+  signal: jax.Array
+  momentum: jax.Array | None
+  mask: jax.Array | None
+  keep_prob: jax.Array | None
+  count: jax.Array | None
+  state: dict[str, Any]
+  measured: Any = None
+
+
+class Rule:
+  """A masking rule: per-leaf state and a per-block scale (see the module docstring).
+
+  Class attributes:
+    state_type: the public ``NamedTuple`` state (fields ``count``, ``key``,
+      ``mask``, the rule's fields, ``active_fraction``, ``active_fraction_by_label``),
+      or ``None`` for a stateless rule (its state is ``optax.EmptyState``).
+    block_fields: names of the rule's per-block fields (``layout.block_shape``).
+    param_fields: names of its per-parameter fields (the leaf's shape).
+    draws: whether the engine draws ``z ~ Bernoulli(keep_prob)`` per block.
+  """
+
+  state_type: ClassVar[type | None] = None
+  block_fields: ClassVar[tuple[str, ...]] = ()
+  param_fields: ClassVar[tuple[str, ...]] = ()
+  draws: ClassVar[bool] = True
+
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    if cls.state_type is not None and cls.state_type not in STATE_TYPES:
+      STATE_TYPES.append(cls.state_type)
+
+  def init_leaf(
+    self, plan: _scoping.LeafPlan, param: Any, momentum: Any
+  ) -> dict[str, Any]:
+    """First values of the rule's fields for one scoped leaf (absent: MaskedNode)."""
+    del plan, param, momentum
+    return {}
+
+  def measure(self, leaf: LeafStep) -> Any:
+    """Optional first pass: this leaf's statistics (default ``None``)."""
+    del leaf
+    return None
+
+  def settle(self, leaves: list[LeafStep]) -> list[Any]:
+    """Optional pass over every scoped leaf's ``measured`` at once, before any leaf
+    is scaled; returns the new ``measured`` per leaf (default: unchanged)."""
+    return [leaf.measured for leaf in leaves]
+
+  def scale(self, leaf: LeafStep) -> tuple[jax.Array, dict[str, Any]]:
+    """The per-block f32 scale of ``leaf.update`` and the rule's new fields."""
+    raise NotImplementedError
+
+
+# --- the engine -----------------------------------------------------------------------
+
+
+def block_tree(treedef: Any, values: list[Any], per_param: bool, dtype: Any) -> Any:
+  """A per-leaf field as a tree like the params (see item 6 of the module docstring).
+
+  A leafless tree (optax's ``map_params`` placeholder, or a group with no leaves)
+  gives a scalar for per-block fields, so that ``map_params`` does not treat them as
+  parameters; per-parameter fields stay trees like the params.
+  """
+  if treedef.num_leaves == 0 and not per_param:
+    return jnp.zeros([], dtype)
+  return treedef.unflatten(values)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BlockMask:
+  """One block-mask transform: a validated :class:`MaskConfig` and a :class:`Rule`."""
+
+  config: MaskConfig
+  rule: Rule
+
+  @property
+  def stateful(self) -> bool:
+    return self.rule.state_type is not None
+
+  def init(self, params: Any, momentum: list[Any] | None = None) -> Any:
+    """The state for ``params``; ``momentum``: per leaf the base's buffer or None."""
+    plans, treedef = self.config.plan(params)
+    declare(plans)
+    if not self.stateful:
+      return optax.EmptyState()
+    leaves = treedef.flatten_up_to(params)
+    momentum = momentum or [None] * len(plans)
+    fields: dict[str, list[Any]] = {
+      f: [] for f in self.rule.block_fields + self.rule.param_fields
+    }
+    masks = []
+    for plan, x, m in zip(plans, leaves, momentum, strict=True):
+      entries = {} if plan.layout is None else self.rule.init_leaf(plan, x, m)
+      for name, values in fields.items():
+        values.append(entries.get(name, optax.MaskedNode()))
+      masks.append(
+        optax.MaskedNode()
+        if plan.layout is None
+        else jnp.ones(plan.layout.block_shape, jnp.bool_)
+      )
+    return self._state(
+      treedef,
+      plans,
+      count=jnp.zeros([], jnp.int32),
+      # A fresh buffer per state: a donated state must not delete the key that
+      # the next init() would hand out.
+      key=jnp.copy(self.config.key),
+      masks=masks,
+      fields=fields,
+    )
+
+  def _state(self, treedef, plans, *, count, key, masks, fields) -> Any:
+    overall, by_label = active_fractions(plans, masks)
+    trees = {
+      name: block_tree(treedef, values, name in self.rule.param_fields, jnp.float32)
+      for name, values in fields.items()
+    }
+    return self.rule.state_type(
+      count=count,
+      key=key,
+      mask=block_tree(treedef, masks, False, jnp.bool_),
+      active_fraction=overall,
+      active_fraction_by_label=by_label,
+      **trees,
+    )
+
+  def prepare(self, updates: Any, state: Any) -> tuple[list, Any, list, list]:
+    """This step's plans (checked against the state), masks and probabilities."""
+    plans, treedef = self.config.plan(updates)
+    if not self.stateful:
+      return plans, treedef, [None] * len(plans), [None] * len(plans)
+    if plans:
+      plans = _scoping.match_state(plans, state.mask, treedef)
+    probs = [
+      None
+      if plan.layout is None
+      else _schedules.evaluate_fraction(plan.keep_prob, state.count)
+      for plan in plans
+    ]
+    if self.rule.draws:
+      masks = draw_block_masks(state.key, state.count, plans, probs)
+    else:
+      masks = [optax.MaskedNode()] * len(plans)
+    return plans, treedef, masks, probs
+
+  def step(
+    self,
+    updates: Any,
+    state: Any,
+    *,
+    signal: Any = None,
+    momentum: list[Any] | None = None,
+  ) -> tuple[Any, Any]:
+    """Scales ``updates`` per block; returns the new updates and state.
+
+    Args:
+      updates: the tree to scale (a base optimizer's update, or what flows in).
+      state: this transform's state.
+      signal: the raw gradients, for rules that look at them (default:
+        ``updates``).
+      momentum: per leaf the base optimizer's first moment, or ``None``.
+    """
+    plans, treedef, masks, probs = self.prepare(updates, state)
+    leaves = treedef.flatten_up_to(updates)
+    signals = leaves if signal is None else treedef.flatten_up_to(signal)
+    momentum = momentum or [None] * len(plans)
+    names = self.rule.block_fields + self.rule.param_fields
+    old = {
+      name: [optax.MaskedNode()] * len(plans)
+      if not plans
+      else treedef.flatten_up_to(getattr(state, name))
+      for name in names
+    }
+    count = state.count if self.stateful else None
+    steps = {
+      i: LeafStep(
+        plan=plan,
+        update=leaves[i],
+        signal=signals[i],
+        momentum=momentum[i],
+        mask=masks[i] if self.rule.draws else None,
+        keep_prob=probs[i],
+        count=count,
+        state={name: old[name][i] for name in names},
+      )
+      for i, plan in enumerate(plans)
+      if plan.layout is not None
+    }
+    steps = {
+      i: leaf._replace(measured=self.rule.measure(leaf)) for i, leaf in steps.items()
+    }
+    settled = iter(self.rule.settle(list(steps.values())))
+    out = []
+    fields: dict[str, list[Any]] = {name: [] for name in names}
+    for i, plan in enumerate(plans):
+      if plan.layout is None:
+        out.append(leaves[i])
+        for values in fields.values():
+          values.append(optax.MaskedNode())
+        continue
+      scale, new = self.rule.scale(steps[i]._replace(measured=next(settled)))
+      out.append(scale_blocks(leaves[i], plan.layout, scale))
+      for name, values in fields.items():
+        values.append(new.get(name, optax.MaskedNode()))
+    if not self.stateful:
+      return treedef.unflatten(out), state
+    new_state = self._state(
+      treedef,
+      plans,
+      count=optax.safe_increment(state.count),
+      key=state.key,
+      masks=masks,
+      fields=fields,
+    )
+    return treedef.unflatten(out), new_state
+
+  def transformation(self) -> optax.GradientTransformationExtraArgs:
+    """The rule applied to whatever flows through it (its signal is the update)."""
+
+    def init_fn(params):
+      return self.init(params)
+
+    def update_fn(updates, state, params=None, **extra_args):
+      del params, extra_args
+      return self.step(updates, state)
+
+    return optax.GradientTransformationExtraArgs(*_compat.typed(init_fn, update_fn))

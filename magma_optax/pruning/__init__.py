@@ -1,0 +1,1 @@
+"""Parameter masks: which weights exist (periodic pruning)."""

@@ -1,0 +1,72 @@
+"""Importance scores: how much each weight matters, for the pruning masks.
+
+:func:`magma_optax.periodic_mask` keeps the entries of highest importance. An
+importance is one of
+
+* ``"magnitude_grad"`` (default): ``|W| * |g|``, the saliency CAST uses;
+* ``"magnitude"``: ``|W|`` (gradual magnitude pruning);
+* a callable ``(param, grad) -> scores`` of the leaf's shape (e.g. ``|g|`` for
+  gradient-based regrowth).
+
+Scores are float32; NaN scores become ``-inf`` (they rank last) and ``-0.0``
+becomes ``+0.0`` (so that the two tie in the order-preserving keys of
+:mod:`magma_optax._topk`).
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from magma_optax import _importance
+  >>> w, g = jnp.array([1.0, -2.0, jnp.nan]), jnp.array([3.0, 0.5, 1.0])
+  >>> _importance.scores("magnitude_grad", w, g).tolist()
+  [3.0, 1.0, -inf]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from magma_optax.pruning import topk as _topk
+
+Importance = str | Callable[[jax.Array, jax.Array], jax.Array]
+
+IMPORTANCES = ("magnitude_grad", "magnitude")
+
+
+def validate(importance: Any) -> Importance:
+  """Checks an importance: one of :data:`IMPORTANCES` or a callable."""
+  if not (callable(importance) or importance in IMPORTANCES):
+    raise ValueError(
+      f"importance must be one of {IMPORTANCES} or a callable (param, grad) ->"
+      f" scores; got {importance!r}."
+    )
+  return importance
+
+
+def scores(
+  importance: Importance, param: jax.Array, grad: jax.Array, nan_last: bool = True
+) -> jax.Array:
+  """Per-entry f32 importance of ``param`` (higher = keep); NaN -> ``-inf``.
+
+  ``nan_last=False`` leaves NaN (and -0.0) as they are, for a caller that sums the
+  scores and handles NaN in the sums (:func:`magma_optax._topk.tile_sum`): a
+  select before the sum makes XLA:CPU write every score to memory first.
+  """
+  p = param.astype(jnp.float32)
+  g = grad.astype(jnp.float32)
+  if importance == "magnitude_grad":
+    s = jnp.abs(p) * jnp.abs(g)
+  elif importance == "magnitude":
+    s = jnp.abs(p)
+  else:
+    s = jnp.asarray(importance(param, grad), jnp.float32)
+    if s.shape != param.shape:
+      raise ValueError(
+        f"importance callable returned shape {s.shape} for a parameter of shape"
+        f" {param.shape}; it must return one score per entry."
+      )
+  if not nan_last:
+    return s
+  return _topk.ranked_scores(s)

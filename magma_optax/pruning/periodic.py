@@ -1,0 +1,682 @@
+"""Periodic parameter masks (CAST-style pruning), kept pure: no post-step hook.
+
+A *parameter mask* says which weights exist; an update mask (``bernoulli_mask``,
+``alignment_mask``) says which updates land this step. :func:`periodic_mask` wraps an
+inner optimizer and, every ``every`` steps between ``start`` and ``end``, recomputes a
+boolean mask per parameter leaf: importance scores (:mod:`magma_optax._importance`;
+default ``|W| * |g|``), then an exact top-k per leaf or over all scoped leaves, or N:M
+groups (:mod:`magma_optax._topk`), at a target sparsity that may ramp
+(:mod:`magma_optax._sparsity`). At target sparsity ``s`` a leaf of ``n`` entries
+keeps ``n - round(s * n)`` of them (``ranking="global"``: the same count over all
+scoped entries together); ties go to the higher score, then to entries active in the
+current mask, then to the lower flat index. With ``block=(r, c)`` the same holds for
+whole ``r x c`` tiles of the last two axes, ranked by their summed importance.
+
+Purity: the wrapper emits ``u = where(mask, u_inner, -p)`` so that
+``optax.apply_updates(p, u) == mask * (p + u_inner)`` *exactly* (``p + (-p)`` is an
+exact zero in floating point). Pruned weights are zero after every step without a
+post-step hook, unlike jaxpruner. The refresh is traced, conditional on the count (a
+``lax.while_loop`` of zero or one iteration, which updates masks and moments in place
+where a ``lax.cond`` would copy them every step): one compiled step serves refresh and
+ordinary steps, and ordinary steps only pay for a predicate and a ``where``.
+
+Regrowth: entries active in the new mask but not in the old one get their inner
+moments reset to zero. Moments are found by name (``mu``, ``nu``, ``trace`` by default)
+with ``optax.tree_utils.tree_get_all_with_path`` and accepted when their tree is
+parameter-like (:func:`magma_optax._trees.split_like`) and the entry has the
+parameter's shape; compact storage from :func:`magma_optax.sparse_state` resets itself.
+
+The new mask is handed to the inner transform as the extra argument ``param_mask=``
+(a pytree like the params: bool arrays, ``optax.MaskedNode`` for unscoped leaves), so
+:func:`magma_optax.sparse_state` and :func:`magma_optax.masked_weight_decay` inside it
+see it, and it is stored in :class:`PeriodicMaskState` for the model's forward pass
+(straight-through: the model computes with ``W * mask``; read it with
+``optax.tree_utils.tree_get(opt_state, "PeriodicMaskState").mask``).
+
+Decisions: the mask starts all-active, and nothing is pruned before the first refresh
+at ``count == start``; the refresh uses the params and the incoming updates (the
+gradients when the wrapper is outermost) of that step; the inner optimizer sees the
+incoming updates unmasked (a model that multiplies by the mask already gives zero
+gradients for pruned weights); zero-size leaves are scoped but have nothing to rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from magma_optax._core import compat as _compat
+from magma_optax._core import schedules as _schedules
+from magma_optax._core import scoping as _scoping
+from magma_optax._core import trees as _trees
+from magma_optax.pruning import importance as _importance
+from magma_optax.pruning import schedules as _sparsity
+from magma_optax.pruning import topk as _topk
+
+# The search's entry points also under the names tests and benchmarks import here.
+from magma_optax.pruning.topk import count_true as _count
+from magma_optax.pruning.topk import top_k_mask as _top_k_mask
+from magma_optax.pruning.topk import top_k_masks as _top_k_masks
+
+RANKINGS = ("per_leaf", "global")
+DEFAULT_MOMENT_NAMES = ("mu", "nu", "trace")
+
+
+class PeriodicMaskState(NamedTuple):
+  """State of :func:`periodic_mask`.
+
+  Attributes:
+    count: int32 scalar, number of updates so far.
+    mask: pytree like the params; per scoped leaf a bool array of the leaf's shape
+      (True = the weight exists), ``optax.MaskedNode`` where unscoped. The mask the
+      last update used; the model's forward pass multiplies by it.
+    target_sparsity: f32 scalar, the target sparsity at the last refresh.
+    sparsity: f32 scalar, fraction of scoped entries pruned by ``mask``.
+    num_regrown: int32 scalar, entries that became active at the last refresh.
+    inner_state: the inner optimizer's state.
+  """
+
+  count: jax.Array
+  mask: Any
+  target_sparsity: jax.Array
+  sparsity: jax.Array
+  num_regrown: jax.Array
+  inner_state: Any
+
+
+# At most this many parameters are ranked in one stack: their stacked scores and
+# old and new masks (at most 6 MB) are the refresh's only extra memory, and a leaf
+# this large costs far more than its share of a step's launch.
+_STACKED = 2**20
+
+
+def reset_moments(
+  inner_state: Any,
+  reset: list[Any],
+  treedef: Any,
+  names: tuple[str, ...],
+  initial: Any = None,
+) -> Any:
+  """Restarts the entries ``reset[i]`` (bool, leaf-shaped, or None) of named moments.
+
+  Fields called one of ``names`` are found with ``optax.tree_utils``; a field is
+  changed only where its tree is like ``treedef`` (:func:`magma_optax._trees.
+  split_like`: ``MaskedNode`` leaves and subtrees allowed), and there only in the
+  entries that have the shape of ``reset[i]``. They take the value of the same field
+  in ``initial`` (the inner transform's initial state: zero for Adam's moments,
+  ``initial_scale`` for RMSProp's ``nu``), or zero where ``initial`` is ``None``.
+  """
+  starts = {}
+  if initial is not None:
+    for name in names:
+      starts.update(optax.tree_utils.tree_get_all_with_path(initial, name))
+
+  def restart(i, m, start=None):
+    r = reset[i]
+    if r is None or not hasattr(m, "shape") or m.shape != r.shape:
+      return m
+    if start is None or jnp.shape(start) != m.shape:
+      start = jnp.zeros([], m.dtype)
+    return jnp.where(r, jnp.asarray(start, m.dtype), m)
+
+  for name in names:
+    for path, value in optax.tree_utils.tree_get_all_with_path(inner_state, name):
+      if _trees.split_like(value, treedef) is None:
+        continue
+      more = () if path not in starts else (starts[path],)
+      inner_state = optax.tree_utils.tree_set(
+        inner_state,
+        lambda p, v, target=path: p == target,
+        **{name: _trees.map_like(restart, value, treedef, *more)},
+      )
+  return inner_state
+
+
+def periodic_mask(
+  inner: optax.GradientTransformation,
+  *,
+  sparsity: _schedules.ScalarOrSchedule | None = None,
+  every: int,
+  importance: _importance.Importance = "magnitude_grad",
+  structure: tuple[int, int] | None = None,
+  block: tuple[int, int] | None = None,
+  shards: Any = None,
+  schedule: str | None = None,
+  start: int = 0,
+  end: int | None = None,
+  where: _scoping.Where = None,
+  ranking: str = "per_leaf",
+  axis: int = -1,
+  moment_names: tuple[str, ...] = DEFAULT_MOMENT_NAMES,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Prunes parameters to a target sparsity with a mask recomputed every few steps.
+
+  At steps ``t = start, start + every, ...`` (up to ``end``, inclusive)::
+
+      S     = importance(W_t, g_t)                 (default |W| * |g|, per entry)
+      M_t   = top-k(S) per leaf                    (k = n - round(s_t n); or N:M)
+              (block=(r, c): top-k of the tile sums of S, n the number of tiles)
+      reset inner moments where M_t & ~M_{t-1}     (regrown weights start fresh)
+
+  and at every step, with ``M`` the current mask::
+
+      u_inner, inner_state = inner.update(g, inner_state, W, param_mask=M)
+      u = where(M, u_inner, -W)        so that   W + u == M * (W + u)   exactly.
+
+  Args:
+    inner: the optimizer to wrap, e.g. ``optax.adam(1e-3)`` or
+      ``magma.sparse_state(optax.adam(1e-3), mode="compact", density=0.2)``. It
+      receives ``param_mask=`` as an extra argument.
+    sparsity: target fraction of pruned entries in [0, 1): a float, or an
+      ``optax.Schedule`` of the step count (see
+      :func:`~magma_optax.polynomial_sparsity_schedule` and
+      :func:`~magma_optax.linear_sparsity_schedule`), checked at step 0 and
+      clipped to [0, 1] where evaluated. With ``structure=(n, m)`` leave it
+      ``None`` (it is ``1 - n / m``).
+    every: refresh period T >= 1 in steps.
+    importance: ``"magnitude_grad"`` (``|W| |g|``), ``"magnitude"`` (``|W|``) or a
+      callable ``(param, grad) -> scores`` of the parameter's shape (higher = keep;
+      under ``optax.inject_hyperparams`` list a callable in ``static_args``, as
+      ``where``: it calls every callable argument as a schedule of the count).
+    structure: ``(n, m)`` with 1 <= n <= m for N:M sparsity along ``axis``;
+      ``None`` for unstructured top-k.
+    block: ``(r, c)`` to prune whole ``r x c`` tiles over the last two axes: a
+      tile's importance is the sum of its entries' scores, and the exact top-k
+      (per leaf or ``"global"``) keeps ``T - round(s T)`` of a leaf's ``T`` tiles
+      (ties as for entries: active tiles first, then the lower tile index in
+      row-major order of the tile grid). Every pruned leaf needs >= 2 axes with
+      the last two multiples of ``(r, c)`` (a ``ValueError`` at ``init`` names the
+      leaf otherwise; scope such leaves out with ``where``). ``None``: entries.
+    shards: with ``block``, ``(sr, sc)`` (or a callable ``(path, leaf) -> counts
+      | None``, e.g. :func:`magma_optax.sharding.tile_shards`) to balance the mask
+      over the shards of a parameter split ``sr`` ways along axis -2 and ``sc``
+      ways along axis -1: the top-k runs in each of the ``sr x sc`` parts of the
+      tile grid, which keeps ``T_p - round(s T_p)`` of its ``T_p`` tiles (the same
+      number in every part, what :func:`sparse_state`'s per-shard tile storage with
+      the same ``shards`` needs). Counts for the last ``k > 2`` axes (``(se, sr,
+      sc)``: a stack sharded ``se`` ways along axis -3) split those axes too.
+      The target is rounded per part, so the kept fraction moves in steps of ``1
+      / T_p``; a float ``sparsity`` that keeps no tile of a part where the leaf's
+      one top-k would keep some is a
+      ``ValueError`` at ``init`` (a whole layer pruned). Needs
+      ``ranking="per_leaf"``; each part must hold whole tiles (a ``ValueError`` at
+      ``init`` names the leaf otherwise). ``None``: one top-k per leaf.
+    schedule: ``None``/``"constant"`` (the target is ``sparsity`` from ``start``),
+      ``"linear"`` or ``"cubic"``: ramp from 0 at ``start`` to ``sparsity`` at
+      ``end`` (needs a float ``sparsity`` and ``end``).
+    start: first refresh step (>= 0); the mask is all-active before it.
+    end: last step at which the mask may change (inclusive), or ``None``.
+    where: which leaves are pruned (``None``: all floating leaves; a callable
+      ``(path, leaf) -> bool`` such as :func:`attention_mlp_weights`; or a pytree of
+      bools). Other leaves are never masked.
+    ranking: ``"per_leaf"`` (every leaf reaches the target) or ``"global"`` (one
+      top-k over all scoped entries; leaves end up with different sparsities).
+    axis: the axis along which N:M groups are formed (default: the last).
+    moment_names: names of the inner state's per-entry moments to reset on
+      regrowth, to the inner's initial state (``inner.init(params)``: zero for
+      Adam's ``mu`` and ``nu``). Fields not named keep their stale values for
+      regrown entries; name every per-entry field of your optimizer, e.g. ``("mu",
+      "nu", "nu_max")`` for AMSGrad, ``("sum_of_squares",)`` for Adagrad.
+      (Compact storage of :func:`sparse_state` restarts all of its stored
+      entries' state on its own.)
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` with a :class:`PeriodicMaskState`;
+    ``params`` must be passed to ``update``. Its ``init`` tells ``inner`` the
+    densest mask each leaf will get (all-active before ``start`` and where a ramp
+    starts; else the first refresh's count, per leaf or shard part, or with
+    ``ranking="global"`` the least share the leaf must take; its tiles and N:M
+    groups): compact storage of :func:`sparse_state` inside raises a
+    ``ValueError`` there, before any step, where that mask certainly cannot fit
+    (the mask is assumed to reach it unchanged, as through optax's wrappers).
+    Ranking per leaf with a constant Python number for ``sparsity`` (or with
+    ``structure``), no later mask is denser, and its ``update`` promises that of
+    the mask arrays it passes: compact storage that holds the densest one then
+    compiles no host callback for its mask checks (see :func:`sparse_state`).
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import magma_optax as magma
+    >>> tx = magma.periodic_mask(optax.adam(1e-2), sparsity=0.5, every=10)
+    >>> params = {"w": jnp.arange(1.0, 9.0).reshape(2, 4)}
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({"w": jnp.ones((2, 4))}, state, params)
+    >>> params = optax.apply_updates(params, updates)
+    >>> int((params["w"] == 0).sum())
+    4
+
+  References:
+    Zhu & Gupta, To prune, or not to prune, arXiv 1710.01878 (2017);
+    Lee et al., jaxpruner, arXiv 2304.14082 (2023);
+    Mishra et al., Accelerating Sparse Deep Neural Networks (2:4), arXiv 2104.08378.
+  """
+  # Python ints: they shape the traced step. optax.inject_hyperparams turns numeric
+  # arguments, defaults included, into arrays, hence the hint.
+  hint = (
+    " (With optax.inject_hyperparams, pass static_args=('every', 'start', 'end',"
+    " 'axis'), plus 'importance' and 'where' where those are callables: it takes"
+    " any callable argument for a schedule.)"
+  )
+  if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+    raise ValueError(f"every must be an int >= 1; got {every!r}.{hint}")
+  if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+    raise ValueError(f"start must be an int >= 0; got {start!r}.{hint}")
+  if end is not None and (
+    isinstance(end, bool) or not isinstance(end, int) or end < start
+  ):
+    raise ValueError(f"end must be None or an int >= start={start}; got {end!r}.{hint}")
+  importance = _importance.validate(importance)
+  if ranking not in RANKINGS:
+    raise ValueError(f"ranking must be one of {RANKINGS}; got {ranking!r}.")
+  schedule = _sparsity.validate_ramp(schedule)
+  if isinstance(axis, bool) or not isinstance(axis, int):
+    raise ValueError(f"axis must be an int; got {axis!r}.{hint}")
+  if block is not None:
+    block = _topk.validate_block(block)
+    if structure is not None:
+      raise ValueError(
+        f"give structure (N:M groups) or block (tiles), not both; got"
+        f" structure={structure!r}, block={block!r}."
+      )
+  shards = _topk.validate_shards(shards, block, "periodic_mask")
+  if shards is not None and ranking != "per_leaf":
+    raise ValueError(
+      f"shards= balances each leaf's tiles over its shards, which needs"
+      f" ranking='per_leaf'; got ranking={ranking!r}."
+    )
+  if structure is not None:
+    structure = _topk.validate_nm_structure(structure)
+    if sparsity is not None and not _schedules.is_schedule(sparsity):
+      implied = 1.0 - structure[0] / structure[1]
+      if abs(float(sparsity) - implied) > 1e-6:
+        raise ValueError(
+          f"sparsity={sparsity} contradicts structure={structure} (which implies"
+          f" sparsity {implied}); leave sparsity=None with structure."
+        )
+    elif sparsity is not None or schedule != "constant":
+      raise ValueError(
+        "structure=(n, m) fixes the sparsity at 1 - n/m; it takes no sparsity schedule."
+      )
+    sparsity = 1.0 - structure[0] / structure[1]
+  if sparsity is None:
+    raise ValueError("sparsity is required (a float in [0, 1) or a schedule).")
+  sparsity = _sparsity.check_sparsity("sparsity", sparsity)
+  # The target the per-part rounding check needs at init (a traced value, as
+  # under optax.inject_hyperparams, is only known in the step).
+  final = (
+    None
+    if _schedules.is_schedule(sparsity) or _compat.is_tracer(sparsity)
+    else float(sparsity)
+  )
+  sparsity = _sparsity.ramp(schedule, sparsity, start=start, end=end)
+  inner = optax.with_extra_args_support(inner)
+
+  def plan(tree):
+    plans, treedef = _scoping.plan_scope(tree, where=where)
+    return plans, treedef
+
+  def parts_of(plans, tree):
+    """Per leaf, the parts its tiles are ranked in (counts for its last axes), or
+    ``None`` (also for zero-size leaves, which have nothing to rank)."""
+    paths_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [
+      None
+      if p.layout is None or block is None or math.prod(jnp.shape(x)) == 0
+      else _topk.leaf_shards(shards, path, x, block, jax.tree_util.keystr(path))
+      for p, (path, x) in zip(plans, paths_leaves, strict=True)
+    ]
+
+  def check_structure(plans, params):
+    paths_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    for p, (path, x) in zip(plans, paths_leaves, strict=True):
+      if p.layout is not None and block is not None:
+        _topk.check_tiles(jnp.shape(x), block, jax.tree_util.keystr(path))
+    for parts, (path, x) in zip(parts_of(plans, params), paths_leaves, strict=True):
+      if parts is None:
+        continue
+      name = jax.tree_util.keystr(path)
+      _topk.check_parts_on_devices(x, parts, "periodic_mask", name)
+      if final is not None:
+        check_parts_keep(parts, jnp.shape(x), name)
+    if structure is None:
+      return
+    m = structure[1]
+    for p, (_, x) in zip(plans, paths_leaves, strict=True):
+      if p.layout is None:
+        continue
+      shape = jnp.shape(x)
+      if not shape or not -len(shape) <= axis < len(shape) or shape[axis] % m:
+        raise ValueError(
+          f"structure={structure} needs axis {axis} of every pruned leaf to be a"
+          f" multiple of {m}; leaf {p.index} has shape {shape}. Scope it out with"
+          " `where` or choose another axis."
+        )
+
+  def check_parts_keep(parts, shape, name):
+    # The top-k of a part rounds the target on its T_p tiles: where that keeps no
+    # tile while the leaf's top-k would keep some, the layer would be pruned whole.
+    tiles = _topk.num_tiles(shape, block)
+    per_part = tiles // math.prod(parts)
+    keep = functools.partial(_topk.num_keep_host, final)
+    if keep(per_part) == 0 < keep(tiles):
+      raise ValueError(
+        f"periodic_mask: shards={parts} splits the {tiles} tiles of leaf {name} into"
+        f" parts of {per_part}, and sparsity={final} keeps none of a part's"
+        f" (round(s * {per_part}) pruned in each), so the whole leaf would be"
+        f" pruned where one top-k would keep {keep(tiles)} tiles. Use fewer shards,"
+        " smaller tiles or a lower sparsity, or scope the leaf out with `where`."
+      )
+
+  def first_target():
+    """The target sparsity of the first refresh (at ``start``), as a float, or
+    ``None`` where it is not known at init (a traced hyperparameter)."""
+    with jax.ensure_compile_time_eval():
+      s0 = _schedules.evaluate_fraction(sparsity, jnp.int32(start))
+    return None if _compat.is_tracer(s0) else float(s0)
+
+  def bounds_of(plans, params):
+    """Per leaf (by key path and leaf object), the densest mask this wrapper will
+    hand its inner transform, or that it hands none (:class:`magma_optax._topk.
+    MaskBound`): :func:`sparse_state`'s init checks its compact storage against
+    it. Leaves whose counts are traced get none."""
+    paths_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    bounds = {}
+    leaves = []  # (key path, shape, units a top-k ranks, their parts)
+    for p, (path, x), parts in zip(
+      plans, paths_leaves, parts_of(plans, params), strict=True
+    ):
+      shape = tuple(jnp.shape(x))
+      if p.layout is None and hasattr(x, "shape"):  # it gets no mask
+        what = "periodic_mask passes it no mask (its `where` does not prune it)"
+        key = (jax.tree_util.keystr(path), id(x))
+        bounds[key] = _topk.MaskBound(shape, what, None, masked=False)
+      if p.layout is None or math.prod(shape) == 0:
+        continue
+      units = math.prod(shape) if block is None else _topk.num_tiles(shape, block)
+      leaves.append(((jax.tree_util.keystr(path), id(x)), shape, units, parts))
+    total = sum(units for _, _, units, _ in leaves)
+    s0 = 0.0 if start > 0 else first_target()
+    if start > 0:
+      why = (
+        f"periodic_mask(start={start}) passes an all-active mask until its first"
+        f" refresh at step {start}"
+      )
+    elif s0 is not None:
+      ramp = "" if schedule == "constant" else f" (its {schedule} ramp starts there)"
+      why = (
+        f"periodic_mask's first refresh, at step {start}, targets sparsity"
+        f" {s0:.4g}{ramp}"
+      )
+    unit = "entries" if block is None else f"{block[0]}x{block[1]} tiles"
+    area = 1 if block is None else block[0] * block[1]
+    # Every mask keeps at most the first refresh's count where the target is a
+    # constant Python number ranked per leaf (all-active before `start`). A
+    # schedule may lower it later (a ramp is one here: its first masks are
+    # all-active, which compact storage does not hold); a global top-k shares out.
+    always = (
+      ranking == "per_leaf"
+      and isinstance(sparsity, numbers.Real)
+      and not isinstance(sparsity, bool)
+    )
+    for name, shape, units, parts in leaves:
+      size = math.prod(shape)
+      if structure is not None:
+        n, m = structure
+        nm = {"structure": structure, "axis": axis % len(shape), "always": True}
+        if start > 0:
+          bounds[name] = _topk.MaskBound(shape, why, size, **nm)
+        else:
+          what = f"periodic_mask(structure={structure}) keeps {n} of every {m}"
+          what += f" entries along axis {axis}"
+          bounds[name] = _topk.MaskBound(shape, what, size * n // m, **nm)
+        continue
+      if s0 is None:  # traced: the counts are known in the step only
+        continue
+      n_parts = math.prod(parts or (1,))
+      if ranking == "per_leaf":
+        keep, exact = _topk.num_keep_host(s0, units // n_parts), True
+        what = why
+        if start == 0:
+          what += f", which keeps {keep} of {units // n_parts} {unit}"
+          what += "" if parts is None else " in each shard part"
+      else:
+        # One top-k over all leaves: this leaf keeps at least what the others
+        # cannot hold (exactly everything where nothing is pruned).
+        kept = _topk.num_keep_host(s0, total)
+        keep, exact = max(0, kept - (total - units)), kept == total
+        what = why
+        if not exact:
+          what += (
+            f", which keeps {kept} of all {total} {unit} together: at least"
+            f" {keep} of this leaf's {units}"
+          )
+      tiles = None if block is None else keep
+      bounds[name] = _topk.MaskBound(
+        shape, what, keep * area * n_parts, exact, block, tiles, parts,
+        always=always and exact,
+      )  # fmt: skip
+    return bounds
+
+  def init_fn(params):
+    plans, treedef = plan(params)
+    leaves = treedef.flatten_up_to(params)
+    check_structure(plans, params)
+    # Sharded like the parameters on Explicit axes (the step gives them that type).
+    masks = [
+      optax.MaskedNode()
+      if p.layout is None
+      else _compat.put_like(jnp.ones(jnp.shape(x), jnp.bool_), x)
+      for p, x in zip(plans, leaves, strict=True)
+    ]
+    return PeriodicMaskState(
+      count=jnp.zeros([], jnp.int32),
+      mask=treedef.unflatten(masks),
+      target_sparsity=jnp.zeros([], jnp.float32),
+      sparsity=jnp.zeros([], jnp.float32),
+      num_regrown=jnp.zeros([], jnp.int32),
+      inner_state=init_inner(plans, params),
+    )
+
+  def init_inner(plans, params):
+    with _topk.mask_bounds(bounds_of(plans, params)):
+      return inner.init(params)
+
+  def new_masks(plans, params, grads, old, target, parts):
+    """The refreshed masks, and the numbers of regrown and of kept scoped entries.
+
+    Whole leaves of one shape are ranked by one computation over their stack
+    (:func:`_trees.map_stacked`), not one per leaf: on XLA:CPU every step's launch
+    grows with the program's buffers, those of a refresh that does not run included.
+    """
+    # Zero-size leaves have nothing to rank: their (empty) masks stay as they are.
+    idx = [
+      i
+      for i, p in enumerate(plans)
+      if p.layout is not None and math.prod(p.layout.shape) > 0
+    ]
+    # Tiles: NaN is handled in the tile sums (a NaN entry makes its tile's sum NaN,
+    # ranked -inf, as a -inf entry would), so the built-in scores fuse into them. A
+    # callable's scores are written out first: fused, XLA:CPU would add its last
+    # product into the sum unrounded (an FMA) or skip a bfloat16 rounding, and
+    # tiles of equal entry scores would not tie.
+    entry_scores = block is None or callable(importance)
+    scores = {
+      i: _importance.scores(importance, params[i], grads[i], entry_scores) for i in idx
+    }
+    active = {i: old[i] for i in idx}
+    if block is not None:  # rank tiles: their summed scores, active if any entry is
+      scores = {i: _topk.tile_sum(scores[i], block) for i in idx}
+      active = {i: _topk.tile_any(old[i], block) for i in idx}
+
+    def ranked(s, a, k):
+      if structure is not None:
+        return _topk.n_m_mask(s, a, *structure, axis)
+      return _top_k_mask(s, a, k)
+
+    def stacked_row(s, o, k):  # one stacked leaf: its mask and counts
+      m = ranked(s, o if block is None else _topk.tile_any(o, block), k)
+      m = m if block is None else _topk.untile(m, block)
+      return m, _count([m & ~o]), _count([m])
+
+    out = list(old)
+    alone = []  # ranked alone (as tiles if block=): untiled and counted below
+    regrown = kept = jnp.zeros([], jnp.int32)
+    if structure is not None or ranking == "per_leaf":
+      # N:M groups never cross a leaf, so N:M leaves need no parts.
+      whole = [i for i in idx if structure is not None or parts[i] is None]
+      for group in _trees.same_shape_groups(
+        [old[i] for i in whole], _STACKED, also=[scores[i] for i in whole]
+      ):
+        leaves = [whole[j] for j in group]
+        k = _topk.num_keep(target, scores[leaves[0]].size)
+        if len(leaves) == 1:
+          out[leaves[0]] = ranked(scores[leaves[0]], active[leaves[0]], k)
+          alone.append(leaves[0])
+          continue
+        rows = _trees.map_stacked(
+          functools.partial(stacked_row, k=k),
+          [scores[i] for i in leaves],
+          [old[i] for i in leaves],
+        )
+        for i, (m, r, n) in zip(leaves, rows, strict=True):
+          out[i] = m
+          regrown, kept = regrown + r, kept + n
+    if structure is None and ranking == "per_leaf":
+      for i in idx:
+        if parts[i] is None:
+          continue
+        # Balanced over the shards: one top-k per part of the tile grid.
+        n = len(parts[i])
+        s, a = (_topk.split_parts(x, parts[i]) for x in (scores[i], active[i]))
+        k = _topk.num_keep(target, math.prod(s.shape[n:]))
+        # k is an argument, not a constant: under Explicit mesh axes like_auto
+        # runs the top-k with them as Auto, and k must come in through it.
+        per_part = _top_k_mask
+        for _ in range(n):
+          per_part = jax.vmap(per_part, (0, 0, None))
+        out[i] = _topk.join_parts(_compat.like_auto(per_part, s, s, a, k), n)
+        alone.append(i)
+    elif structure is None and idx:
+      n = sum(scores[i].size for i in idx)
+      keep = _top_k_masks(
+        [scores[i] for i in idx], [active[i] for i in idx], _topk.num_keep(target, n)
+      )
+      for i, m in zip(idx, keep, strict=True):
+        out[i] = m
+      alone.extend(idx)
+    if block is not None:
+      for i in alone:
+        out[i] = _topk.untile(out[i], block)
+    regrown = regrown + _count([out[i] & ~old[i] for i in alone])
+    kept = kept + _count([out[i] for i in alone])
+    return out, regrown, kept
+
+  def update_fn(updates, state, params=None, **extra_args):
+    if params is None:
+      raise ValueError(
+        "periodic_mask needs the parameters: call update(updates, state, params)."
+      )
+    if "param_mask" in extra_args:
+      raise ValueError(
+        "periodic_mask got a param_mask extra arg (from an enclosing periodic_mask,"
+        " or passed to update): it makes the parameter mask itself and hands it to"
+        " its inner optimizer, so it takes none. Use one periodic_mask per"
+        " parameter (group them with optax.multi_transform or where=)."
+      )
+    plans, treedef = plan(updates)
+    plans = _scoping.match_state(plans, state.mask, treedef)
+    grads = treedef.flatten_up_to(updates)
+    parts = parts_of(plans, updates)
+    param_leaves = treedef.flatten_up_to(params)
+    paths = jax.tree_util.tree_flatten_with_path(updates)[0]
+    for i, p in enumerate(parts):
+      if p is not None:
+        name = jax.tree_util.keystr(paths[i][0])
+        for x in (grads[i], param_leaves[i]):
+          _topk.check_parts_on_devices(x, p, "periodic_mask", name)
+    old = treedef.flatten_up_to(state.mask)
+    count = state.count
+    is_refresh = (count >= start) & ((count - start) % every == 0)
+    if end is not None:
+      is_refresh = is_refresh & (count <= end)
+    target = _schedules.evaluate_fraction(sparsity, count)
+
+    scoped = [i for i, p in enumerate(plans) if p.layout is not None]
+    total = sum(old[i].size for i in scoped)
+
+    # The refresh runs through _trees.run_if, not a cond: on other steps the masks and
+    # the inner state pass through untouched, where a cond would copy every mask
+    # on every step. The refresh also resets the moments of regrown entries, so
+    # nothing after it reads the old masks.
+    def refresh(carry):
+      old_masks, inner_state, _, _, _ = carry
+      masks, num, kept = new_masks(plans, param_leaves, grads, old_masks, target, parts)
+      kept = kept.astype(jnp.float32)
+      regrown = [
+        None if p.layout is None else masks[i] & ~old_masks[i]
+        for i, p in enumerate(plans)
+      ]
+      # The reset reads and writes every moment, so it runs only when an entry
+      # regrew (rare with the default |W|*|g|: pruned weights score 0).
+      inner_state = _trees.run_if(
+        num > 0,
+        lambda s: reset_moments(s, regrown, treedef, moment_names, inner.init(params)),
+        inner_state,
+      )
+      # No scoped entry (only zero-size leaves): nothing is pruned.
+      pruned = (total - kept) / max(total, 1)
+      return masks, inner_state, target, num, pruned
+
+    masks, inner_state, target_now, num_regrown, sparsity_now = _trees.run_if(
+      is_refresh,
+      refresh,
+      (
+        old,
+        state.inner_state,
+        state.target_sparsity,
+        jnp.zeros([], jnp.int32),
+        state.sparsity,
+      ),
+    )
+    mask_tree = treedef.unflatten(masks)
+    # What every mask of the run is (counts, tiles, groups), promised to the inner
+    # update for these very mask arrays: sparse_state's compact storage then needs
+    # no host callback for a check they cannot fail.
+    bounds = bounds_of(plans, params)
+    promises = {}
+    for (path, x), m in zip(
+      jax.tree_util.tree_flatten_with_path(params)[0], masks, strict=True
+    ):
+      bound = bounds.get((jax.tree_util.keystr(path), id(x)))
+      if bound is not None and bound.always:
+        promises[id(m)] = bound
+    with _topk.mask_promises(promises):
+      inner_updates, inner_state = inner.update(
+        updates, inner_state, params, param_mask=mask_tree, **extra_args
+      )
+    out = []
+    for p, u, w, m in zip(
+      plans, treedef.flatten_up_to(inner_updates), param_leaves, masks, strict=True
+    ):
+      if p.layout is None:
+        out.append(u)
+        continue
+      out.append(jnp.where(m, u, -jnp.asarray(w).astype(u.dtype)))
+    new_state = PeriodicMaskState(
+      count=optax.safe_increment(count),
+      mask=mask_tree,
+      target_sparsity=jnp.asarray(target_now, jnp.float32),
+      sparsity=jnp.asarray(sparsity_now, jnp.float32),
+      num_regrown=num_regrown,
+      inner_state=inner_state,
+    )
+    return treedef.unflatten(out), new_state
+
+  return optax.GradientTransformationExtraArgs(*_compat.typed(init_fn, update_fn))

@@ -1,0 +1,1 @@
+"""Sparse optimizer state: a base optimizer's state kept where weights exist."""
