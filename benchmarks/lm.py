@@ -1,7 +1,7 @@
 """Small-LM reproduction of arXiv 2602.15322: methods x learning rates x seeds.
 
-Trains the LLaMA-style byte model of :mod:`magma_optax.flax.llama` on the Python
-standard library's source (:mod:`magma_optax.corpus`) with
+Trains the LLaMA-style byte model of :mod:`magma_optax.demo.llama` on the Python
+standard library's source (:mod:`magma_optax.demo.corpus`) with
 
 * ``adam``            Adam
 * ``adam_skip``       Adam+SkipUpdate   ``magma.skip_update(optax.adam(lr))``, p = 0.5

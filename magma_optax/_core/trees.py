@@ -21,7 +21,7 @@ entry (an empty node is like every leafless tree, so it proves nothing).
 
 Example:
   >>> import jax, jax.numpy as jnp, optax
-  >>> from magma_optax import _trees
+  >>> from magma_optax._core import trees as _trees
   >>> params = {"a": jnp.ones(2), "b": jnp.ones(3)}
   >>> state = optax.adam(1e-3).init(params)
   >>> params_def = jax.tree.structure(params)

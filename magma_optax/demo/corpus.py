@@ -18,7 +18,7 @@ training text with a seeded ``numpy.random.Generator``; :func:`validation_batche
 returns a fixed, evenly spaced set of validation windows, the same on every call.
 
 Example:
-  >>> from magma_optax import corpus
+  >>> from magma_optax.demo import corpus
   >>> data = corpus.load()
   >>> batches = corpus.train_batches(data.train, batch_size=4, seq_len=64, seed=0)
   >>> next(batches).shape

@@ -25,8 +25,8 @@ parameters optax sees), and :func:`make_train_step` returns a jitted
 
 Example:
   >>> import optax, magma_optax as magma
-  >>> from magma_optax.flax import llama
-  >>> from magma_optax import corpus
+  >>> from magma_optax.demo import llama
+  >>> from magma_optax.demo import corpus
   >>> config = llama.LlamaConfig.tiny()
   >>> graphdef, params = llama.init_params(config, seed=0)
   >>> tx = magma.magma(optax.adam(3e-3), where=magma.attention_mlp_weights)
@@ -217,7 +217,7 @@ class Llama(nnx.Module):
   Example:
     >>> import jax.numpy as jnp
     >>> from flax import nnx
-    >>> from magma_optax.flax import llama
+    >>> from magma_optax.demo import llama
     >>> model = llama.Llama(llama.LlamaConfig.tiny(), rngs=nnx.Rngs(0))
     >>> model(jnp.zeros((2, 16), jnp.int32)).shape
     (2, 16, 256)

@@ -280,7 +280,7 @@ class MaskConfig:
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from magma_optax import _engine
+      >>> from magma_optax.masking import engine as _engine
       >>> config = _engine.MaskConfig.create(keep_prob=0.5, granularity="row")
       >>> plans, _ = config.plan({"b": jnp.ones(4), "w": jnp.ones((3, 4))})
       >>> [(p.path, p.layout.block_shape) for p in plans]

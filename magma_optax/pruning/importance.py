@@ -14,7 +14,7 @@ becomes ``+0.0`` (so that the two tie in the order-preserving keys of
 
 Example:
   >>> import jax.numpy as jnp
-  >>> from magma_optax import _importance
+  >>> from magma_optax.pruning import importance as _importance
   >>> w, g = jnp.array([1.0, -2.0, jnp.nan]), jnp.array([3.0, 0.5, 1.0])
   >>> _importance.scores("magnitude_grad", w, g).tolist()
   [3.0, 1.0, -inf]

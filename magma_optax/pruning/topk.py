@@ -20,7 +20,7 @@ the last two axes with the same search: one summed score per tile.
 
 Example:
   >>> import jax.numpy as jnp
-  >>> from magma_optax import _topk
+  >>> from magma_optax.pruning import topk as _topk
   >>> score = jnp.ones(4)
   >>> active = jnp.array([False, True, False, True])
   >>> _topk.top_k_mask(score, active, jnp.int32(3)).tolist()  # all tie: active first

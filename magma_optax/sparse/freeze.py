@@ -31,7 +31,7 @@ rewritten: run eagerly there is no copy to save.
 
 Example:
   >>> import jax.numpy as jnp
-  >>> from magma_optax import _freeze
+  >>> from magma_optax.sparse import freeze as _freeze
   >>> old, g = jnp.zeros(4), jnp.ones(4)
   >>> mask = jnp.array([True, False, True, False])
   >>> def step():  # a momentum (output 1) and an update read from it (output 0)
@@ -218,7 +218,7 @@ def reads_inputs(fn: Callable[..., Any], *args: Any) -> Any:
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from magma_optax import _freeze
+    >>> from magma_optax.sparse import freeze as _freeze
     >>> _freeze.reads_inputs(lambda x: (jnp.zeros_like(x), 2 * x), jnp.ones(3))
     (False, True)
   """

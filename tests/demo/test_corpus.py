@@ -1,4 +1,4 @@
-"""Tests for magma_optax.corpus: file list, split, batch iterators, bad input."""
+"""Tests for magma_optax.demo.corpus: file list, split, batch iterators, bad input."""
 
 import os
 

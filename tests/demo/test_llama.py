@@ -1,4 +1,4 @@
-"""Tests for magma_optax.flax.llama: shapes, labels, RoPE, causality, training."""
+"""Tests for magma_optax.demo.llama: shapes, labels, RoPE, causality, training."""
 
 import jax
 import jax.numpy as jnp

@@ -101,7 +101,7 @@ def test_init_warns_once_when_the_paper_scope_misses_the_mlp():
 
 
 def test_llama_has_both_and_does_not_warn():
-  llama = pytest.importorskip("magma_optax.flax.llama")
+  llama = pytest.importorskip("magma_optax.demo.llama")
   _, params = llama.init_params(llama.LlamaConfig.tiny(), seed=0)
   assert not _init_warnings(params, where=magma.attention_mlp_weights)
   report = magma.scope_report(

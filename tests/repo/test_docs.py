@@ -21,16 +21,16 @@ pytest.importorskip("flax")  # the API reference documents magma_optax.flax too
 
 from magma_optax._core import compat as _compat
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PUBLIC_MODULES = (
   "magma_optax",
   "magma_optax.sharding",
   "magma_optax.kernels",
-  "magma_optax.corpus",
   "magma_optax.flax",
-  "magma_optax.flax.llama",
   "magma_optax.flax.scaling",
-  "magma_optax.demo",
+  "magma_optax.demo.corpus",
+  "magma_optax.demo.llama",
+  "magma_optax.demo.run",
 )
 _CLOSED = "http://127.0.0.1:9"  # the discard port: nothing listens there
 

@@ -12,22 +12,28 @@ import magma_optax
 MODULES = sorted(
   m.name
   for m in pkgutil.walk_packages(magma_optax.__path__, "magma_optax.")
-  if m.name != "magma_optax.demo"
+  if m.name not in ("magma_optax.demo.run", "magma_optax.demo.__main__")
 )
 # Modules with no examples of their own: internals, package __init__ files that only
 # re-export, and kernel back ends whose entry point (kernels.api) has the example.
 NO_EXAMPLES = {
-  "magma_optax._compat",
-  "magma_optax._schedules",
-  "magma_optax._scoping",
+  "magma_optax._core",
+  "magma_optax._core.compat",
+  "magma_optax._core.schedules",
+  "magma_optax._core.scoping",
+  "magma_optax.demo",
   "magma_optax.flax",
   "magma_optax.kernels",
   "magma_optax.kernels.config",
-  "magma_optax.kernels.pallas_gpu",
-  "magma_optax.kernels.pallas_mgpu",
-  "magma_optax.kernels.pallas_tpu",
+  "magma_optax.kernels.mosaic_gpu",
+  "magma_optax.kernels.mosaic_tpu",
   "magma_optax.kernels.partitioned",
   "magma_optax.kernels.reference",
+  "magma_optax.kernels.tiles",
+  "magma_optax.kernels.triton",
+  "magma_optax.masking",
+  "magma_optax.pruning",
+  "magma_optax.sparse",
 }
 
 

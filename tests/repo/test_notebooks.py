@@ -21,7 +21,7 @@ from magma_optax._core import compat as _compat
 nbclient = pytest.importorskip("nbclient")
 nbformat = pytest.importorskip("nbformat")
 
-NOTEBOOK_DIR = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOK_DIR = pathlib.Path(__file__).resolve().parents[2] / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 TIMEOUT_PER_CELL_S = 300  # a generous bound; the suite's budget is ~3 min in total
 

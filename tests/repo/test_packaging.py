@@ -23,7 +23,7 @@ from magma_optax._core import compat as _compat
 
 pytest.importorskip("build")
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 RUNTIME_DEPS = {"jax", "numpy", "optax"}
 
 
@@ -68,7 +68,7 @@ def test_wheel_holds_the_package_only(dist):
     assert not any(f"/{top}/" in f"/{n}" for n in names), top
   # The positive side of the same listing: what must be there is.
   for needed in ("magma_optax/__init__.py", "magma_optax/kernels/api.py",
-                 "magma_optax/flax/llama.py", "magma_optax/py.typed",
+                 "magma_optax/demo/llama.py", "magma_optax/py.typed",
                  f"{info}licenses/LICENSE", f"{info}METADATA"):  # fmt: skip
     assert needed in names, needed
 

@@ -14,7 +14,7 @@ import pytest
 
 from magma_optax._core import compat as _compat
 
-_BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+_BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 
 # The device machines (TPU included) run the newest jax, so the script is checked
 # on that line (CI line 2); on the older line its smoke run would cost ~30 s of the

@@ -182,7 +182,7 @@ def tile_adam(
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from magma_optax.kernels import tiles
+    >>> from magma_optax.kernels.tiles import api as tiles
     >>> g = jnp.ones((4, 8)); m = jnp.zeros((2, 2, 4)); v = jnp.zeros((2, 2, 4))
     >>> # tiles of 2 x 4: the leaf has 4; slot 0 holds tile 3, slot 1 is empty.
     >>> out = tiles.tile_adam(g, m, v, jnp.array([3, 4], jnp.int32), count=1,

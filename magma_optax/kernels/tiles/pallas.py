@@ -60,7 +60,7 @@ Per backend (:func:`why_unavailable` gives the constraints as a sentence):
 Example:
 
   >>> import jax.numpy as jnp
-  >>> from magma_optax.kernels import pallas_tiles
+  >>> from magma_optax.kernels.tiles import pallas as pallas_tiles
   >>> from magma_optax.kernels import reference
   >>> constants = reference.AdamConstants()
   >>> hyper = reference.hyperparams(1, 1e-3, 0.0, constants)
