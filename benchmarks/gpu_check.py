@@ -61,7 +61,7 @@ import magma_optax as magma
 from magma_optax import kernels
 from magma_optax._core import blocks as _blocks
 from magma_optax._core import compat as _compat
-from magma_optax.kernels import api
+from magma_optax.kernels import dispatch
 from magma_optax.kernels import partitioned
 from magma_optax.kernels import reference
 from magma_optax.kernels.tiles import api as tiles
@@ -98,7 +98,7 @@ def gpu_backends() -> list[str]:
   Hopper-class GPU with jax >= 0.12 (on CPU, for --smoke: where the interpreter is)."""
   out = ["triton"]
   on_cpu = jax.default_backend() == "cpu"
-  if _compat.has_mosaic_gpu() and (on_cpu or api.is_hopper(jax.devices()[0])):
+  if _compat.has_mosaic_gpu() and (on_cpu or dispatch.is_hopper(jax.devices()[0])):
     out.append("mosaic_gpu")
   return out
 
@@ -196,7 +196,7 @@ def check_optimizer(num_params=2_000_000, interpret=False) -> bool:
   )
   ok = err <= 1e-5 and same_masks
   print(
-    f"adam_magma pallas[{api.pallas_backend(interpret)}] vs xla, 3 steps: rel err"
+    f"adam_magma pallas[{dispatch.pallas_backend(interpret)}] vs xla, 3 steps: rel err"
     f" {err:.1e}, masks equal"
     f" {same_masks}: {'OK' if ok else 'FAIL'}"
   )
@@ -497,7 +497,7 @@ def main(argv=None):
     return 0
   else:
     print(f"GPU kernels: {backends}; implementation='pallas' runs"
-          f" {api.pallas_backend(False)!r}")  # fmt: skip
+          f" {dispatch.pallas_backend(False)!r}")  # fmt: skip
     ok = check_kernel(backends=backends)
     ok &= check_optimizer()
     ok &= check_top_k()

@@ -71,7 +71,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
 from magma_optax._core import blocks as _blocks
-from magma_optax._core import compat as _compat
+from magma_optax._core import sharded as _sharded
 from magma_optax._core import trees as _trees
 from magma_optax.masking import alignment as _alignment
 from magma_optax.masking import engine as _engine
@@ -126,7 +126,7 @@ def _leaf_sharding(
   # An axis split unevenly is legal but pads; keep only exact splits.
   mesh = sharding.mesh
   block_spec = tuple(
-    e if d % _compat.mesh_axis_size(mesh, e) == 0 else None
+    e if d % _sharded.mesh_axis_size(mesh, e) == 0 else None
     for d, e in zip(shape, block_spec, strict=True)
   )
   return NamedSharding(
@@ -370,7 +370,7 @@ def tile_shards(params: Any) -> Callable[[Any, Any], tuple[int, ...] | None]:
     if ndim < 2 or not isinstance(sharding, NamedSharding):
       return None
     spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
-    counts = [_compat.mesh_axis_size(sharding.mesh, e) for e in spec]
+    counts = [_sharded.mesh_axis_size(sharding.mesh, e) for e in spec]
     # From the first axis the spec names (a size-1 mesh axis too: the parts keep
     # the parameter's sharding type).
     first = next((i for i, e in enumerate(spec) if e is not None), ndim)

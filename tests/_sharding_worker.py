@@ -110,7 +110,7 @@ EXPLICIT_CASES = (
   "magma_adam_tile",  # block sums of tiles: reshapes of sharded axes
   "skip_update_sgd_element",
   "periodic_mask_sparse_state_nm_compact",
-  "sharded_tiles_sparse_adam",  # with periodic_mask's tile sums: _compat.reshape
+  "sharded_tiles_sparse_adam",  # with periodic_mask's tile sums: _sharded.reshape
   "periodic_mask_adam_magma",  # masked block sums: runs split an unsharded axis
 )
 

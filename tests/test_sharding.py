@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import magma_optax as magma
+from magma_optax._core import sharded as _sharded
 
 RTOL = 2e-5
 # The smallest sharded parameter matrix has 64 entries; per-block arrays (at most 16
@@ -260,7 +261,6 @@ def _abstract(shape, spec):
 
 
 def test_reshape_of_explicit_sharded_axes_keeps_them_on_the_major_piece():
-  from magma_optax._core import compat as _compat
 
   mesh = jax.make_mesh((1, 1), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
   x = jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(mesh, P("x", "y")))
@@ -273,12 +273,12 @@ def test_reshape_of_explicit_sharded_axes_keeps_them_on_the_major_piece():
     ((1, 8, 8), P("x", None, "y")),
   ]
   for shape, spec in cases:
-    y = jax.jit(lambda x, shape=shape: _compat.reshape(x, shape))(x)
+    y = jax.jit(lambda x, shape=shape: _sharded.reshape(x, shape))(x)
     assert jax.typeof(y).sharding.spec == spec, shape
     np.testing.assert_array_equal(np.asarray(y), np.arange(64.0).reshape(shape))
-    back = jax.jit(lambda y: _compat.reshape(y, (8, 8)))(y)  # merge: the major's
+    back = jax.jit(lambda y: _sharded.reshape(y, (8, 8)))(y)  # merge: the major's
     assert jax.typeof(back).sharding.spec == P("x", "y")
-  assert _compat.reshape(jnp.ones((2, 6)), (3, 4)).shape == (3, 4)  # unsharded
+  assert _sharded.reshape(jnp.ones((2, 6)), (3, 4)).shape == (3, 4)  # unsharded
 
 
 def test_tile_shards_reads_the_split_axes():

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from magma_optax._core import compat as _compat
+from magma_optax._core import sharded as _sharded
 
 Granularity = str | tuple[int, ...]
 
@@ -167,7 +167,7 @@ class BlockLayout:
     ops = [self._expand(jnp.where(where, x, zero)) for x in xs]
     axes, shape = self.reduce_axes, self.expanded_shape
     last = len(shape) - 1
-    spec = _compat.explicit_spec(ops[0])
+    spec = _sharded.explicit_spec(ops[0])
     runs = (
       last in axes
       and shape[-1] % SUM_RUN == 0
@@ -176,7 +176,7 @@ class BlockLayout:
     )
     if runs:
       ops = [
-        _compat.reshape(x, (*shape[:-1], shape[-1] // SUM_RUN, SUM_RUN)) for x in ops
+        _sharded.reshape(x, (*shape[:-1], shape[-1] // SUM_RUN, SUM_RUN)) for x in ops
       ]
       first = (last + 1,)
     else:
@@ -202,12 +202,12 @@ class BlockLayout:
     keep = tuple(
       1 if i in self.reduce_axes else d for i, d in enumerate(self.expanded_shape)
     )
-    expanded = jnp.broadcast_to(_compat.reshape(values, keep), self.expanded_shape)
-    return _compat.reshape(expanded, self.shape)
+    expanded = jnp.broadcast_to(_sharded.reshape(values, keep), self.expanded_shape)
+    return _sharded.reshape(expanded, self.shape)
 
   def _expand(self, x: jax.Array) -> jax.Array:
-    # Also where x is sharded over Explicit mesh axes (_compat.reshape).
-    return _compat.reshape(x, self.expanded_shape)
+    # Also where x is sharded over Explicit mesh axes (_sharded.reshape).
+    return _sharded.reshape(x, self.expanded_shape)
 
 
 def block_layout(

@@ -45,7 +45,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from magma_optax._core import compat as _compat
+from magma_optax._core import shard_map as _shard_map
+from magma_optax._core import sharded as _sharded
 
 
 def is_masked(x: Any) -> bool:
@@ -216,67 +217,6 @@ def split_param_mask_like(
   return out
 
 
-def run_if(pred: jax.Array, fn: Callable[[Any], Any], operand: Any) -> Any:
-  """``fn(operand)`` if ``pred`` else ``operand``, as a loop of zero or one step.
-
-  A loop updates its carry in place; a ``lax.cond`` copies ``operand`` into its
-  output buffers whichever branch runs (with donated buffers: every step). A
-  ``while_loop`` has no reverse mode, so the loop has a JVP rule of its own: the
-  primal is the loop, the tangent a ``lax.cond`` (which transposes). It applies
-  wherever the tangents come from, also where the loop was traced before them
-  (a ``lax.scan`` body, a ``cond`` branch: plain tracers) and to what ``fn``
-  closes over (hoisted into arguments: :func:`magma_optax._compat.hoist_closure`).
-  """
-  # Inside shard_map, the operand typed as the loop's carry will be: the hoisted
-  # jaxpr then runs on what it was traced on.
-  operand, traced = _compat.typed_carry(fn, operand)
-  converted, consts = _compat.hoist_closure(fn, operand, traced)
-  return _run_if(converted, pred, operand, *consts)
-
-
-def _loop_if(fn: Callable[..., Any], pred: Any, operand: Any, *consts: Any) -> Any:
-  """``run_if`` as a loop of zero or one step, ``fn`` taking ``consts`` too.
-
-  ``run_if`` typed ``operand`` as ``fn`` gives it back, and the body gives ``pred``
-  its own type: the carry keeps its type without a trace to find it (inside
-  ``jax.shard_map`` that trace would run ``fn``'s whole jaxpr once more)."""
-  return jax.lax.while_loop(
-    # The body's predicate is the constant False (XLA then sees one step at
-    # most, and keeps fewer buffers), typed like `pred` inside shard_map.
-    lambda c: c[0],
-    lambda c: (
-      _compat.vary_along(jnp.asarray(False), _compat.varying(c[0])),
-      fn(c[1], *consts),
-    ),
-    (pred, operand),
-  )[1]
-
-
-_run_if = jax.custom_jvp(_loop_if, nondiff_argnums=(0,))
-
-
-@_run_if.defjvp
-def _run_if_jvp(fn: Callable[..., Any], primals: Any, tangents: Any) -> Any:
-  # The primal is the loop (in place); the tangent is fn's, or the operand's
-  # when pred is False, chosen by a cond. Integer and bool leaves have float0
-  # tangents, which a cond cannot return: they pass through.
-  pred, operand, *consts = primals
-  _, t_operand, *t_consts = tangents
-  out = _run_if(fn, pred, operand, *consts)
-  leaves, treedef = jax.tree.flatten(t_operand)
-  real = [i for i, t in enumerate(leaves) if t.dtype != jax.dtypes.float0]
-
-  def ran():
-    t = jax.jvp(fn, (operand, *consts), (t_operand, *t_consts))[1]
-    flat = treedef.flatten_up_to(t)
-    return [flat[i] for i in real]
-
-  taken = _compat.cond(pred, ran, lambda: [leaves[i] for i in real])
-  for i, t in zip(real, taken, strict=True):
-    leaves[i] = t
-  return out, treedef.unflatten(leaves)
-
-
 def same_shape_groups(
   arrays: Sequence[Any], max_size: int, also: Sequence[Any] | None = None
 ) -> list[list[int]]:
@@ -291,11 +231,11 @@ def same_shape_groups(
     key = (
       jnp.shape(x),
       jnp.result_type(x),
-      _compat.explicit_spec(x),
-      _compat.varying(x),
+      _sharded.explicit_spec(x),
+      _shard_map.varying(x),
     )
     if also is not None:
-      key += (jnp.result_type(also[i]), _compat.varying(also[i]))
+      key += (jnp.result_type(also[i]), _shard_map.varying(also[i]))
     chunks = groups.setdefault(key, [[]])
     if chunks[-1] and (len(chunks[-1]) + 1) * math.prod(jnp.shape(x)) > max_size:
       chunks.append([])

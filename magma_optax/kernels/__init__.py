@@ -9,15 +9,15 @@ visits only the active tiles (:mod:`pallas_tiles` its kernel).
 Importing this package does not need a GPU.
 """
 
-from magma_optax.kernels.api import DEFAULT_IMPLEMENTATIONS
-from magma_optax.kernels.api import IMPLEMENTATIONS
 from magma_optax.kernels.api import PendingAdam
 from magma_optax.kernels.api import derived_sums
 from magma_optax.kernels.api import finish_masked_adam
 from magma_optax.kernels.api import masked_adam
-from magma_optax.kernels.api import resolve_implementation
 from magma_optax.kernels.api import start_masked_adam
 from magma_optax.kernels.config import BlockSizes
+from magma_optax.kernels.dispatch import DEFAULT_IMPLEMENTATIONS
+from magma_optax.kernels.dispatch import IMPLEMENTATIONS
+from magma_optax.kernels.dispatch import resolve_implementation
 from magma_optax.kernels.reference import AdamConstants
 from magma_optax.kernels.reference import MaskedAdamOutput
 from magma_optax.kernels.reference import masked_adam_reference

@@ -1,67 +1,12 @@
 """The one entry point of the fused masked-Adam step, with ``implementation=``.
 
-``masked_adam`` runs one Adam step on one leaf, masks and scales its update per
-block, and returns the per-block partial sums of Magma's cosine (see
-:mod:`magma_optax.kernels.reference` for the math). Implementations:
-
-* ``"xla"``: plain ``jax.numpy`` (:mod:`reference`), any backend; the CPU default.
-* ``"pallas"``: a Pallas kernel, the one for the backend (:func:`pallas_backend`):
-  Mosaic TPU on a TPU (:mod:`pallas_tpu`), Mosaic GPU on a Hopper-class GPU with
-  jax >= 0.12 (:mod:`pallas_mgpu`), Triton on other GPUs and on jax < 0.12
-  (:mod:`pallas_gpu`). Needs contiguous blocks. On sharded leaves it runs once per
-  shard (:mod:`partitioned`): no leaf is gathered.
-* a sequence such as ``("pallas", "xla")``: the first that can run.
-
-``interpret=`` runs the Pallas kernel on CPU (slow: tests only, small sizes):
-``True`` the Triton-layout kernel in the generic Pallas interpreter; ``"tpu"`` the
-Mosaic TPU kernel in ``pltpu.InterpretParams()`` (its tiles, SMEM scalars and
-grid-ordered accumulation exercised); ``"gpu"`` the Mosaic GPU kernel in
-``plgpu.InterpretGPUParams()`` (jax >= 0.12). ``False`` compiles for the device.
-Any other value, or an interpreter this jax lacks, raises ``ValueError``
-(:func:`check_interpret`).
-
-``implementation=None`` tries ``DEFAULT_IMPLEMENTATIONS`` -- XLA for now, until the
-Pallas kernels have been measured on a GPU and a TPU by ``benchmarks/gpu_check.py``
-and ``benchmarks/tpu_check.py`` -- and falls back silently to XLA off-accelerator.
-An explicit request that cannot run raises ``ValueError`` at trace time, saying why.
-
-The per-block scale may depend on this step's alignment sums (Magma's score needs
-cos(m_t, g_t) before the update is scaled). Pass ``scale=`` a callable
-``(mu_dot_grad, mu_sq_norm, grad_sq_norm) -> scale`` and each implementation orders
-the work for its hardware: XLA computes m_t, the sums, then the update (XLA fuses
-what it can); the Pallas path first reduces m_{t-1} and g -- which Adam reads anyway
--- and derives the sums of m_t = b1 m_{t-1} + (1 - b1) g exactly::
-
-    <m_t, g>  = b1 <m_{t-1}, g> + (1 - b1) ||g||^2
-    ||m_t||^2 = b1^2 ||m_{t-1}||^2 + 2 b1 (1 - b1) <m_{t-1}, g> + (1 - b1)^2 ||g||^2
-
-so the kernel itself makes a single pass. (The derived sums equal the direct ones up
-to float32 rounding where the right-hand side does not cancel. Where it does -- m_t
-nearly zero next to b1 m_{t-1} and (1 - b1) g, common in blocks of a few entries --
-the difference has lost the digits that the direct sum keeps, so a block whose
-||m_t||^2 is below 2**-CANCELLATION_BITS of its terms' magnitudes is returned as
-NaN, "sum it directly": :func:`masked_adam` and ``adam_magma`` do, and blocks of
-fewer than ``DIRECT_BELOW`` entries, where that is frequent, are summed directly
-from the start.) Either way the output's three sums are the ones the scale was
-computed from, so a caller can evaluate the same function of them again
-(``adam_magma`` does, for its scores) instead of smuggling a value out of the
-callback. The step also comes in two halves, :func:`start_masked_adam` (checks,
-implementation, sums) and :func:`finish_masked_adam` (the scaled update), for a
-caller that looks at every leaf's sums before it scales any: ``adam_magma``
-recomputes the blocks whose float32 sums overflowed or cancelled, for the whole tree
-in one branch (``_alignment.settle_sums``), between them.
-
-On XLA:CPU reductions are single-threaded library calls that cannot share a pass
-with the elementwise Adam loops, so every reduction is a separate read. Two things
-keep them few. ``||g||^2`` would be common-subexpression-merged with Adam's
-``g * g`` and the product written to memory; an ``optimization_barrier`` on g keeps
-the square inside the reduction. And given ``mu_sq_norm_prev`` (||m_{t-1}||^2 per
-block, carried in the optimizer state) ||m_t||^2 follows without reading m_t again::
-
-    ||m_t||^2 = b1^2 ||m_{t-1}||^2 + 2 (1 - b1) <m_t, g> - (1 - b1)^2 ||g||^2
-
-(the recursion contracts errors by b1^2 per step, so rounding does not accumulate;
-where its right-hand side cancels, the block is NaN and summed directly, as above).
+:func:`masked_adam` runs one Adam step on one leaf, masks and scales its update per
+block, and returns the per-block partial sums of Magma's cosine (the math is in
+:mod:`magma_optax.kernels.reference`; which kernel runs, in
+:mod:`magma_optax.kernels.dispatch`). A caller that looks at every leaf's sums before
+it scales any uses its two halves, :func:`start_masked_adam` and
+:func:`finish_masked_adam`. How the sums are derived without a second pass, and when
+they are summed directly instead: ``docs/design/internals.md``.
 """
 
 from __future__ import annotations
@@ -75,20 +20,12 @@ import jax
 import jax.numpy as jnp
 
 from magma_optax._core import blocks as _blocks
-from magma_optax._core import compat as _compat
+from magma_optax._core import shard_map as _shard_map
+from magma_optax._core import xla_cpu as _xla_cpu
 from magma_optax.kernels import config as config_lib
+from magma_optax.kernels import dispatch as _dispatch
 from magma_optax.kernels import partitioned
 from magma_optax.kernels import reference
-from magma_optax.kernels import triton as pallas_gpu
-
-IMPLEMENTATIONS = ("xla", "pallas")
-INTERPRETERS = (False, True, "tpu", "gpu")
-# Tried in order when implementation=None. XLA only until benchmarks/gpu_check.py and
-# benchmarks/tpu_check.py have measured the Pallas kernels on a real GPU / TPU (they
-# have run only in interpreters so far, and the byte count -- benchmarks/RESULTS.md --
-# suggests XLA may be as fast): a default must never be the first place an unverified
-# kernel compiles. Ask for "pallas" explicitly to use one.
-DEFAULT_IMPLEMENTATIONS = ("xla",)
 
 ScaleFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -101,146 +38,6 @@ CANCELLATION_BITS = 4
 # through Adam's EMA, 60 steps: 11% of single entries, 0.2% of blocks of 4, none of
 # 16 or more), and a direct sum of so few entries costs about what the carry saves.
 DIRECT_BELOW = 16
-
-
-def check_interpret(interpret: Any) -> bool | str:
-  """``interpret`` if it is one of :data:`INTERPRETERS` this jax can run.
-
-  Raises:
-    ValueError: for any other value, naming the argument and the valid ones; for
-      ``"gpu"`` on a jax without Mosaic GPU's interpreter, naming the version
-      needed (jax >= 0.12).
-  """
-  if isinstance(interpret, bool):
-    return interpret
-  if isinstance(interpret, str) and interpret in ("tpu", "gpu"):
-    if interpret == "gpu":
-      _compat.pallas_mosaic_gpu()  # raises, naming the jax version needed
-    return interpret
-  raise ValueError(
-    f"interpret must be False, True (the generic Pallas interpreter), 'tpu'"
-    f" (the TPU interpreter) or 'gpu' (the Mosaic GPU interpreter, jax >= 0.12);"
-    f" got {interpret!r}."
-  )
-
-
-def is_hopper(device: Any) -> bool:
-  """Whether ``device`` is a Hopper-class NVIDIA GPU (sm_90: H100, H200, H800)."""
-  capability = getattr(device, "compute_capability", None)
-  if capability is not None:
-    return str(capability).startswith("9.")
-  kind = str(getattr(device, "device_kind", ""))
-  return any(name in kind for name in ("H100", "H200", "H800", "H20", "GH200"))
-
-
-def pallas_backend(interpret: bool | str = False) -> str:
-  """The kernel ``implementation="pallas"`` runs: see :data:`partitioned.BACKENDS`.
-
-  ``"mosaic_tpu"`` on a TPU or with ``interpret="tpu"``; ``"mosaic_gpu"`` with
-  ``interpret="gpu"`` or on a Hopper-class GPU with jax >= 0.12; ``"triton"``
-  otherwise (other GPUs, jax < 0.12, and the generic interpreter).
-  """
-  interpret = check_interpret(interpret)
-  if interpret == "tpu":
-    return "mosaic_tpu"
-  if interpret == "gpu":
-    return "mosaic_gpu"
-  if interpret:
-    return "triton"
-  backend = jax.default_backend()
-  if backend == "tpu":
-    return "mosaic_tpu"
-  if backend == "gpu" and _compat.has_mosaic_gpu() and is_hopper(jax.devices()[0]):
-    return "mosaic_gpu"
-  return "triton"
-
-
-def device_reason(interpret: bool | str = False) -> str | None:
-  """``None`` if a Pallas kernel can run here (a GPU, a TPU, or an interpreter)."""
-  if interpret or jax.default_backend() in ("gpu", "tpu"):
-    return None
-  return (
-    f"Pallas kernels need a GPU or a TPU, and the default backend is"
-    f" {jax.default_backend()!r}; pass interpret=True, 'tpu' or 'gpu' to run a"
-    " kernel in an interpreter (slow; for tests) or use implementation='xla'"
-  )
-
-
-def check_implementation(implementation: str) -> None:
-  """Raises ``ValueError`` unless ``implementation`` is one of the names."""
-  if not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS:
-    raise ValueError(
-      f"implementation must be one of {IMPLEMENTATIONS}, a sequence of them, or"
-      f" None; got {implementation!r}."
-    )
-
-
-def why_unavailable(
-  implementation: str,
-  *,
-  layout: _blocks.BlockLayout,
-  interpret: bool | str = False,
-) -> str | None:
-  """``None`` if ``implementation`` can run here, else the reason it cannot."""
-  check_implementation(implementation)
-  if implementation == "xla":
-    return None
-  if not pallas_gpu.is_contiguous(layout):
-    return (
-      "the Pallas kernel needs contiguous mask blocks (granularity 'tensor', 'row'"
-      f" or 'element'), but this leaf's blocks reduce axes {layout.reduce_axes}"
-      f" of {layout.expanded_shape}"
-    )
-  return device_reason(interpret)
-
-
-def first_available(
-  implementation: str | Sequence[str] | None,
-  why: Callable[[str], str | None],
-) -> str:
-  """The first of ``implementation`` (``None``: the defaults) for which ``why``
-  gives no reason; else ``ValueError`` with every reason."""
-  if implementation is None:
-    order = DEFAULT_IMPLEMENTATIONS
-  elif isinstance(implementation, str):
-    order = (implementation,)
-  elif isinstance(implementation, Sequence):
-    order = tuple(implementation)
-    if not order:
-      raise ValueError("implementation must not be an empty sequence.")
-  else:
-    order = (implementation,)  # not a name: check_implementation says so
-  for impl in order:  # every entry is checked, not only those before a hit
-    check_implementation(impl)
-  reasons = []
-  for impl in order:
-    reason = why(impl)
-    if reason is None:
-      return impl
-    reasons.append(f"{impl!r}: {reason}")
-  raise ValueError(
-    f"implementation={implementation!r} cannot run here: " + "; ".join(reasons) + "."
-  )
-
-
-def resolve_implementation(
-  implementation: str | Sequence[str] | None,
-  *,
-  layout: _blocks.BlockLayout,
-  interpret: bool | str = False,
-) -> str:
-  """The implementation that will run (see the module docstring).
-
-  Raises:
-    ValueError: if an explicitly requested implementation (or every one of a
-      requested sequence) cannot run here, naming why; if ``interpret`` is not
-      valid here (:func:`check_interpret`).
-  """
-  interpret = check_interpret(interpret)
-  return first_available(
-    implementation,
-    lambda impl: why_unavailable(impl, layout=layout, interpret=interpret),
-  )
 
 
 def masked_adam(
@@ -291,7 +88,7 @@ def masked_adam(
       ``None``: 1 (plain Adam).
     layout: the leaf's :class:`BlockLayout` (default: the whole leaf is one block).
     implementation: ``"xla"``, ``"pallas"``, a sequence to try in order, or
-      ``None`` (``DEFAULT_IMPLEMENTATIONS``: XLA until the Pallas kernel is
+      ``None`` (``dispatch.DEFAULT_IMPLEMENTATIONS``: XLA until the Pallas kernel is
       validated on a GPU).
     interpret: ``False`` (compile for the device), ``True`` (the Triton-layout
       kernel in the generic Pallas interpreter), ``"tpu"`` (the Mosaic TPU
@@ -369,7 +166,7 @@ def sums_where_lost(pending: PendingAdam, b1: float) -> tuple[jax.Array, ...]:
     exact = reference.partial_sums(p.layout, m, grad, param_mask)
     return tuple(jnp.where(lost, e, s) for e, s in zip(exact, sums, strict=True))
 
-  return _compat.cond(jnp.any(lost), direct, lambda *ops: ops[-1], *operands)
+  return _shard_map.cond(jnp.any(lost), direct, lambda *ops: ops[-1], *operands)
 
 
 class PendingAdam(NamedTuple):
@@ -466,16 +263,18 @@ def start_masked_adam(
     )
   if tuple(layout.shape) != tuple(grad.shape):
     raise ValueError(f"layout is for shape {layout.shape}, grad has {grad.shape}.")
-  interpret = check_interpret(interpret)
-  impl = resolve_implementation(implementation, layout=layout, interpret=interpret)
+  interpret = _dispatch.check_interpret(interpret)
+  impl = _dispatch.resolve_implementation(
+    implementation, layout=layout, interpret=interpret
+  )
   constants = reference.AdamConstants(float(b1), float(b2), float(eps), float(eps_root))
   hyper = reference.hyperparams(count, learning_rate, weight_decay, constants)
   sums = moments = None
   if with_sums and impl == "xla":
     moments = reference.moments(grad, mu, nu, constants, param_mask)
     out_m = moments[0].astype(mu.dtype)
-    # Keeps ||g||^2 from sharing (and materialising) Adam's g * g; see above.
-    g = jax.lax.optimization_barrier(grad)
+    # ||g||^2 apart from Adam's g * g (_xla_cpu.unshared).
+    g = _xla_cpu.unshared(grad)
     direct = param_mask is not None or layout.block_size < DIRECT_BELOW
     if mu_sq_norm_prev is None or direct:
       sums = reference.partial_sums(layout, out_m, g, param_mask)
@@ -526,7 +325,7 @@ def finish_masked_adam(
   out = partitioned.masked_adam_pallas_partitioned(
     p.grad, p.mu, p.nu, p.hyper, p.constants, scale=scale, layout=p.layout,
     param_mask=p.param_mask, params=p.params, block_sizes=p.block_sizes,
-    interpret=bool(p.interpret), backend=pallas_backend(p.interpret),
+    interpret=bool(p.interpret), backend=_dispatch.pallas_backend(p.interpret),
   )  # fmt: skip
   if p.sums is None:
     return out

@@ -51,7 +51,7 @@ from magma_optax._core import blocks as _blocks
 from magma_optax._core import compat as _compat
 from magma_optax.kernels import config as config_lib
 from magma_optax.kernels import reference
-from magma_optax.kernels import triton as pallas_gpu
+from magma_optax.kernels import rows as _rows
 
 
 def _kernel(
@@ -156,7 +156,7 @@ def masked_adam_pallas_mgpu(
   pl = _compat.pallas()
   plgpu = _compat.pallas_mosaic_gpu()
   layout = layout or reference.tensor_layout(grad.shape)
-  pallas_gpu.check_contiguous(layout)
+  _rows.check_contiguous(layout)
   shape = tuple(grad.shape)
   nb, bs = layout.num_blocks, layout.block_size
   if math.prod(shape) == 0:
@@ -179,7 +179,7 @@ def masked_adam_pallas_mgpu(
   rows_per_block = padded // cols
   num_rows = -(-(nb * rows_per_block) // rows) * rows
   rows_of = functools.partial(
-    pallas_gpu.to_rows, num_blocks=nb, block_size=bs, padded_size=padded,
+    _rows.to_rows, num_blocks=nb, block_size=bs, padded_size=padded,
     num_rows=num_rows, cols=cols,
   )  # fmt: skip
   if scale is None:
@@ -229,10 +229,8 @@ def masked_adam_pallas_mgpu(
     name="masked_adam_mgpu",
   )(*inputs)
   back = functools.partial(
-    pallas_gpu.from_rows, shape=shape, num_blocks=nb, block_size=bs,
+    _rows.from_rows, shape=shape, num_blocks=nb, block_size=bs,
     padded_size=padded,
   )  # fmt: skip
-  sums = (
-    pallas_gpu.row_sums_to_blocks(x, layout, rows_per_block) for x in (dot, msq, gsq)
-  )
+  sums = (_rows.row_sums_to_blocks(x, layout, rows_per_block) for x in (dot, msq, gsq))
   return reference.MaskedAdamOutput(back(new_m), back(new_v), back(u), *sums)

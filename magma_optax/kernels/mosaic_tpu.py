@@ -53,7 +53,7 @@ from magma_optax._core import blocks as _blocks
 from magma_optax._core import compat as _compat
 from magma_optax.kernels import config as config_lib
 from magma_optax.kernels import reference
-from magma_optax.kernels import triton as pallas_gpu
+from magma_optax.kernels import rows as _rows
 
 LANES = 128
 MAX_ROW = 4096  # entries of one row of a long block
@@ -223,7 +223,7 @@ def masked_adam_pallas_tpu(
   pl = _compat.pallas()
   pltpu = _compat.pallas_tpu()
   layout = layout or reference.tensor_layout(grad.shape)
-  pallas_gpu.check_contiguous(layout)
+  _rows.check_contiguous(layout)
   shape = tuple(grad.shape)
   nb, bs = layout.num_blocks, layout.block_size
   if math.prod(shape) == 0:

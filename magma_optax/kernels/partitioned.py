@@ -62,10 +62,11 @@ from jax.sharding import PartitionSpec
 from magma_optax._core import blocks as _blocks
 from magma_optax._core import compat as _compat
 from magma_optax.kernels import config as config_lib
-from magma_optax.kernels import mosaic_gpu as pallas_mgpu
-from magma_optax.kernels import mosaic_tpu as pallas_tpu
+from magma_optax.kernels import mosaic_gpu
+from magma_optax.kernels import mosaic_tpu
 from magma_optax.kernels import reference
-from magma_optax.kernels import triton as pallas_gpu
+from magma_optax.kernels import rows as _rows
+from magma_optax.kernels import triton
 
 BACKENDS = ("triton", "mosaic_tpu", "mosaic_gpu")
 
@@ -73,11 +74,11 @@ BACKENDS = ("triton", "mosaic_tpu", "mosaic_gpu")
 def kernel_for(backend: str):
   """The per-leaf kernel function of ``backend`` (looked up at call time)."""
   if backend == "triton":
-    return pallas_gpu.masked_adam_pallas
+    return triton.masked_adam_pallas
   if backend == "mosaic_tpu":
-    return pallas_tpu.masked_adam_pallas_tpu
+    return mosaic_tpu.masked_adam_pallas_tpu
   if backend == "mosaic_gpu":
-    return pallas_mgpu.masked_adam_pallas_mgpu
+    return mosaic_gpu.masked_adam_pallas_mgpu
   raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}.")
 
 
@@ -297,7 +298,7 @@ def masked_adam_pallas_partitioned(
 ) -> reference.MaskedAdamOutput:
   """The kernel of ``backend`` run per shard on sharded leaves.
 
-  Same arguments and result as :func:`pallas_gpu.masked_adam_pallas` (see the
+  Same arguments and result as :func:`triton.masked_adam_pallas` (see the
   module docstring for what happens under sharding, ``shard_map`` and ``vmap``);
   ``interpret`` runs that kernel in its backend's interpreter (the generic one for
   ``"triton"``).
@@ -306,7 +307,7 @@ def masked_adam_pallas_partitioned(
     ValueError: if the layout's blocks are not contiguous.
   """
   layout = layout or reference.tensor_layout(grad.shape)
-  pallas_gpu.check_contiguous(layout)
+  _rows.check_contiguous(layout)
   if scale is None:
     scale = jnp.ones(layout.block_shape, jnp.float32)
   scale = jnp.asarray(scale, jnp.float32).reshape(layout.block_shape)

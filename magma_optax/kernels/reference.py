@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from magma_optax._core import blocks as _blocks
-from magma_optax.sparse import freeze as _freeze
+from magma_optax._core import xla_cpu as _xla_cpu
 
 LEARNING_RATE, BIAS_CORRECTION1, BIAS_CORRECTION2, WEIGHT_DECAY = range(4)
 NUM_HYPERPARAMS = 4
@@ -112,8 +112,8 @@ def moments(
   new_m = (1 - b1) * g + b1 * m
   new_v = (1 - b2) * (g * g) + b2 * v
   if param_mask is not None:
-    new_m = _freeze.kept(param_mask, new_m, m)
-    new_v = _freeze.kept(param_mask, new_v, v)
+    new_m = _xla_cpu.kept(param_mask, new_m, m)
+    new_v = _xla_cpu.kept(param_mask, new_v, v)
   return new_m, new_v
 
 

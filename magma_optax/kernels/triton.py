@@ -33,23 +33,7 @@ from magma_optax._core import blocks as _blocks
 from magma_optax._core import compat as _compat
 from magma_optax.kernels import config as config_lib
 from magma_optax.kernels import reference
-
-
-def is_contiguous(layout: _blocks.BlockLayout) -> bool:
-  """Whether each block of ``layout`` is one contiguous run of memory."""
-  n = len(layout.expanded_shape)
-  k = len(layout.reduce_axes)
-  return tuple(layout.reduce_axes) == tuple(range(n - k, n))
-
-
-def check_contiguous(layout: _blocks.BlockLayout) -> None:
-  """Raises ``ValueError`` unless every block of ``layout`` is contiguous."""
-  if not is_contiguous(layout):
-    raise ValueError(
-      "the Pallas kernel needs each mask block contiguous in memory (granularity"
-      " 'tensor', 'row' or 'element'); this leaf's layout"
-      f" {layout.expanded_shape} reduces axes {layout.reduce_axes}."
-    )
+from magma_optax.kernels import rows as _rows
 
 
 def _kernel(*refs, constants, has_mask, has_params):
@@ -81,30 +65,6 @@ def _kernel(*refs, constants, has_mask, has_params):
   gsq_out[...] = jnp.sum(g * g, axis=1)
 
 
-def to_rows(x, num_blocks, block_size, padded_size, num_rows, cols):
-  """(leaf) -> (num_rows, cols): blocks padded to ``padded_size``, rows padded."""
-  x = x.reshape(num_blocks, block_size)
-  if padded_size != block_size:
-    x = jnp.pad(x, ((0, 0), (0, padded_size - block_size)))
-  x = x.reshape(-1, cols)
-  if x.shape[0] != num_rows:
-    x = jnp.pad(x, ((0, num_rows - x.shape[0]), (0, 0)))
-  return x
-
-
-def from_rows(x, shape, num_blocks, block_size, padded_size):
-  """(num_rows, cols) -> the leaf: the inverse of :func:`to_rows`."""
-  x = x[: num_blocks * padded_size // x.shape[1]].reshape(num_blocks, padded_size)
-  return x[:, :block_size].reshape(shape)
-
-
-def row_sums_to_blocks(row_sums, layout: _blocks.BlockLayout, rows_per_block: int):
-  """Per-row partial sums -> per-block sums of ``layout.block_shape``."""
-  nb = layout.num_blocks
-  per_block = row_sums[: nb * rows_per_block].reshape(nb, rows_per_block)
-  return jnp.sum(per_block, axis=1).reshape(layout.block_shape)
-
-
 def masked_adam_pallas(
   grad: jax.Array,
   mu: jax.Array,
@@ -131,7 +91,7 @@ def masked_adam_pallas(
   pl = _compat.pallas()  # lazy: ~0.1 s, only when used
 
   layout = layout or reference.tensor_layout(grad.shape)
-  check_contiguous(layout)
+  _rows.check_contiguous(layout)
   shape = tuple(grad.shape)
   nb = layout.num_blocks
   bs = layout.block_size
@@ -146,7 +106,7 @@ def masked_adam_pallas(
   rows_per_block = padded // cols
   num_rows = -(-(nb * rows_per_block) // rows) * rows
   rows_of = functools.partial(
-    to_rows, num_blocks=nb, block_size=bs, padded_size=padded,
+    _rows.to_rows, num_blocks=nb, block_size=bs, padded_size=padded,
     num_rows=num_rows, cols=cols,
   )  # fmt: skip
   if scale is None:
@@ -193,7 +153,7 @@ def masked_adam_pallas(
     name="masked_adam",
   )(*inputs)
   back = functools.partial(
-    from_rows, shape=shape, num_blocks=nb, block_size=bs, padded_size=padded
+    _rows.from_rows, shape=shape, num_blocks=nb, block_size=bs, padded_size=padded
   )
-  sums = (row_sums_to_blocks(x, layout, rows_per_block) for x in (dot, msq, gsq))
+  sums = (_rows.row_sums_to_blocks(x, layout, rows_per_block) for x in (dot, msq, gsq))
   return reference.MaskedAdamOutput(back(new_m), back(new_v), back(u), *sums)

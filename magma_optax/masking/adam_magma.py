@@ -47,11 +47,14 @@ import jax.numpy as jnp
 import optax
 
 from magma_optax import kernels
+from magma_optax._core import arguments as _arguments
 from magma_optax._core import blocks as _blocks
 from magma_optax._core import compat as _compat
 from magma_optax._core import schedules as _schedules
 from magma_optax._core import scoping as _scoping
+from magma_optax._core import shard_map as _shard_map
 from magma_optax._core import trees as _trees
+from magma_optax._core import xla_cpu as _xla_cpu
 from magma_optax.masking import alignment as _alignment
 from magma_optax.masking import engine as _engine
 
@@ -239,9 +242,9 @@ def adam_magma(
     or weight_decay != 0.0
   )
   # The same engine (config, rule, draws, state) as magma(optax.adam(...)).
-  rule = _engine.from_arguments(_alignment.AlignmentRule.create, arguments)
+  rule = _arguments.from_arguments(_alignment.AlignmentRule.create, arguments)
   engine = _engine.BlockMask(
-    _engine.from_arguments(_engine.MaskConfig.create, arguments),
+    _arguments.from_arguments(_engine.MaskConfig.create, arguments),
     rule,
   )
 
@@ -351,7 +354,7 @@ def adam_magma(
     )
     return treedef.unflatten(out), new_state
 
-  return optax.GradientTransformationExtraArgs(*_compat.typed(init_fn, update_fn))
+  return optax.GradientTransformationExtraArgs(*_shard_map.typed(init_fn, update_fn))
 
 
 def _settle(pending: list[Any], b1: float) -> tuple[list[Any], list[Any], list[Any]]:
@@ -416,4 +419,4 @@ def _settle(pending: list[Any], b1: float) -> tuple[list[Any], list[Any], list[A
 def _moment(b1: float, mu: jax.Array, grad: jax.Array) -> jax.Array:
   """``m_t = (1 - b1) g + b1 m_{t-1}`` in ``mu``'s dtype, from inputs of its own
   (a barrier's outputs), so that each reduction computes it in its own pass."""
-  return kernels.api.next_moment(b1, *jax.lax.optimization_barrier((mu, grad)))
+  return kernels.api.next_moment(b1, *_xla_cpu.unshared((mu, grad)))

@@ -41,11 +41,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from magma_optax._core import arguments as _arguments
 from magma_optax._core import blocks as _blocks
 from magma_optax._core import compat as _compat
 from magma_optax._core import schedules as _schedules
 from magma_optax._core import scoping as _scoping
-from magma_optax._core import trees as _trees
+from magma_optax._core import shard_map as _shard_map
+from magma_optax._core import xla_cpu as _xla_cpu
 from magma_optax.masking import engine as _engine
 
 
@@ -86,7 +88,7 @@ def block_sums(
     # Complex leaves: the real inner product Re<a, b> = sum(Re a Re b + Im a Im b)
     # (the cosine of the leaves seen as real vectors of twice the length).
     a, b = a.astype(jnp.complex64), b.astype(jnp.complex64)
-    b = jax.lax.optimization_barrier(b)
+    b = _xla_cpu.unshared(b)
     ar, ai, br, bi = jnp.real(a), jnp.imag(a), jnp.real(b), jnp.imag(b)
     sums = (
       layout.block_sum(ar * br + ai * bi),
@@ -95,10 +97,8 @@ def block_sums(
     )
     return sums if axis_name is None else jax.lax.psum(sums, axis_name)
   a = a.astype(jnp.float32)
-  # The barrier stops XLA from merging b * b with the base optimizer's g * g, which
-  # on CPU writes the product to memory (a step of magma(adam) ran 3.6x adam, 1.6x
-  # with it; benchmarks/step_overhead.py). Values are unchanged.
-  b = jax.lax.optimization_barrier(b.astype(jnp.float32))
+  # b * b apart from the base optimizer's g * g (_xla_cpu.unshared).
+  b = _xla_cpu.unshared(b.astype(jnp.float32))
   sums = (layout.block_sum(a * b), layout.block_sum(a * a), layout.block_sum(b * b))
   if axis_name is not None:
     sums = jax.lax.psum(sums, axis_name)
@@ -295,7 +295,7 @@ def settle_sums(
   if not jax.tree.leaves(operand) and not _compat.batched(sums):
     # A cond: what it reads is not carried. (A loop's closure is part of its
     # carry, which XLA copies where the step also returns those buffers.)
-    new, norms = _compat.cond(
+    new, norms = _shard_map.cond(
       pred(sums),
       lambda args: rescue(args[0], (), args[1]),
       lambda args: (args[0], [s[1] for s in args[0]]),
@@ -311,11 +311,9 @@ def settle_sums(
   def looped(sums, operand, reads):
     def body(carry):
       new, norms = rescue(carry[0], carry[2], reads)
-      # Through a barrier: an element a loop passes on untouched is hoisted out
-      # of it as an invariant, and copied.
-      return new, norms, jax.lax.optimization_barrier(carry[2])
+      return new, norms, _xla_cpu.passed_through(carry[2])
 
-    return _trees.run_if(pred(sums), body, (sums, [s[1] for s in sums], operand))
+    return _xla_cpu.run_if(pred(sums), body, (sums, [s[1] for s in sums], operand))
 
   @looped.defjvp
   def _(primals, tangents):
@@ -512,6 +510,6 @@ def alignment_mask(
   """
   arguments = dict(locals())  # the arguments, for from_arguments below
   return _engine.BlockMask(
-    _engine.from_arguments(_engine.MaskConfig.create, arguments),
-    _engine.from_arguments(AlignmentRule.create, arguments),
+    _arguments.from_arguments(_engine.MaskConfig.create, arguments),
+    _arguments.from_arguments(AlignmentRule.create, arguments),
   ).transformation()

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from magma_optax._core import arguments as _arguments
 from magma_optax._core import blocks as _blocks
 from magma_optax._core import schedules as _schedules
 from magma_optax._core import scoping as _scoping
@@ -136,6 +137,6 @@ def bernoulli_mask(
   """
   arguments = dict(locals())  # the arguments, for from_arguments below
   return _engine.BlockMask(
-    _engine.from_arguments(_engine.MaskConfig.create, arguments),
+    _arguments.from_arguments(_engine.MaskConfig.create, arguments),
     BernoulliRule.create(rescale=rescale),
   ).transformation()

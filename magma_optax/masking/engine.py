@@ -66,10 +66,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
-from collections.abc import Callable
 from collections.abc import Iterator
-from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
 from typing import ClassVar
@@ -80,9 +77,9 @@ import jax.numpy as jnp
 import optax
 
 from magma_optax._core import blocks as _blocks
-from magma_optax._core import compat as _compat
 from magma_optax._core import schedules as _schedules
 from magma_optax._core import scoping as _scoping
+from magma_optax._core import shard_map as _shard_map
 
 KeyLike = Any  # int, a typed key from jax.random.key, or legacy uint32[2] key data
 
@@ -226,17 +223,6 @@ def declare_axes(
 
 
 # --- configuration --------------------------------------------------------------------
-
-
-def from_arguments(create: Callable[..., Any], arguments: Mapping[str, Any]) -> Any:
-  """``create(**the entries of arguments that create takes)``.
-
-  The factories take the engine's and the rule's arguments in one flat signature and
-  hand them over with ``from_arguments(MaskConfig.create, locals())``, so that no
-  argument list is written out twice (and none can be forgotten on the way).
-  """
-  names = inspect.signature(create).parameters
-  return create(**{k: v for k, v in arguments.items() if k in names})
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -553,4 +539,4 @@ class BlockMask:
       del params, extra_args
       return self.step(updates, state)
 
-    return optax.GradientTransformationExtraArgs(*_compat.typed(init_fn, update_fn))
+    return optax.GradientTransformationExtraArgs(*_shard_map.typed(init_fn, update_fn))

@@ -35,10 +35,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from magma_optax._core import arguments as _arguments
 from magma_optax._core import blocks as _blocks
-from magma_optax._core import compat as _compat
 from magma_optax._core import schedules as _schedules
 from magma_optax._core import scoping as _scoping
+from magma_optax._core import shard_map as _shard_map
 from magma_optax._core import trees as _trees
 from magma_optax.masking import alignment as _alignment
 from magma_optax.masking import bernoulli as _masks
@@ -191,8 +192,8 @@ def magma(
     )
   base = optax.with_extra_args_support(base)
   mask = _engine.BlockMask(
-    _engine.from_arguments(_engine.MaskConfig.create, arguments),
-    _engine.from_arguments(_alignment.AlignmentRule.create, arguments),
+    _arguments.from_arguments(_engine.MaskConfig.create, arguments),
+    _arguments.from_arguments(_alignment.AlignmentRule.create, arguments),
   )
 
   def init_fn(params):
@@ -209,7 +210,7 @@ def magma(
     )
     return masked, MaskedUpdateState(inner, mask_state)
 
-  return optax.GradientTransformationExtraArgs(*_compat.typed(init_fn, update_fn))
+  return optax.GradientTransformationExtraArgs(*_shard_map.typed(init_fn, update_fn))
 
 
 def skip_update(
@@ -260,7 +261,7 @@ def skip_update(
   """
   arguments = dict(locals())  # the arguments, for from_arguments below
   base = optax.with_extra_args_support(base)
-  mask = _engine.from_arguments(_masks.bernoulli_mask, arguments)
+  mask = _arguments.from_arguments(_masks.bernoulli_mask, arguments)
 
   def init_fn(params):
     return MaskedUpdateState(base.init(params), mask.init(params))
@@ -270,4 +271,4 @@ def skip_update(
     masked, mask_state = mask.update(deltas, state.mask_state, params)
     return masked, MaskedUpdateState(inner, mask_state)
 
-  return optax.GradientTransformationExtraArgs(*_compat.typed(init_fn, update_fn))
+  return optax.GradientTransformationExtraArgs(*_shard_map.typed(init_fn, update_fn))

@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from magma_optax._core import compat as _compat
 from magma_optax._core import schedules as _schedules
+from magma_optax._core import shard_map as _shard_map
 from magma_optax._core import trees as _trees
 
 
@@ -118,5 +118,5 @@ def masked_weight_decay(
     )
 
   return optax.GradientTransformationExtraArgs(
-    *_compat.typed(init_fn, update_fn, param_mask=True)
+    *_shard_map.typed(init_fn, update_fn, param_mask=True)
   )

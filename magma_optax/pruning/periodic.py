@@ -53,9 +53,14 @@ import jax.numpy as jnp
 import optax
 
 from magma_optax._core import compat as _compat
+from magma_optax._core import geometry as _geometry
+from magma_optax._core import mask_bounds as _mask_bounds
 from magma_optax._core import schedules as _schedules
 from magma_optax._core import scoping as _scoping
+from magma_optax._core import shard_map as _shard_map
+from magma_optax._core import sharded as _sharded
 from magma_optax._core import trees as _trees
+from magma_optax._core import xla_cpu as _xla_cpu
 from magma_optax.pruning import importance as _importance
 from magma_optax.pruning import schedules as _sparsity
 from magma_optax.pruning import topk as _topk
@@ -279,20 +284,20 @@ def periodic_mask(
   if isinstance(axis, bool) or not isinstance(axis, int):
     raise ValueError(f"axis must be an int; got {axis!r}.{hint}")
   if block is not None:
-    block = _topk.validate_block(block)
+    block = _geometry.validate_block(block)
     if structure is not None:
       raise ValueError(
         f"give structure (N:M groups) or block (tiles), not both; got"
         f" structure={structure!r}, block={block!r}."
       )
-  shards = _topk.validate_shards(shards, block, "periodic_mask")
+  shards = _geometry.validate_shards(shards, block, "periodic_mask")
   if shards is not None and ranking != "per_leaf":
     raise ValueError(
       f"shards= balances each leaf's tiles over its shards, which needs"
       f" ranking='per_leaf'; got ranking={ranking!r}."
     )
   if structure is not None:
-    structure = _topk.validate_nm_structure(structure)
+    structure = _geometry.validate_nm_structure(structure)
     if sparsity is not None and not _schedules.is_schedule(sparsity):
       implied = 1.0 - structure[0] / structure[1]
       if abs(float(sparsity) - implied) > 1e-6:
@@ -329,7 +334,7 @@ def periodic_mask(
     return [
       None
       if p.layout is None or block is None or math.prod(jnp.shape(x)) == 0
-      else _topk.leaf_shards(shards, path, x, block, jax.tree_util.keystr(path))
+      else _geometry.leaf_shards(shards, path, x, block, jax.tree_util.keystr(path))
       for p, (path, x) in zip(plans, paths_leaves, strict=True)
     ]
 
@@ -337,12 +342,12 @@ def periodic_mask(
     paths_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     for p, (path, x) in zip(plans, paths_leaves, strict=True):
       if p.layout is not None and block is not None:
-        _topk.check_tiles(jnp.shape(x), block, jax.tree_util.keystr(path))
+        _geometry.check_tiles(jnp.shape(x), block, jax.tree_util.keystr(path))
     for parts, (path, x) in zip(parts_of(plans, params), paths_leaves, strict=True):
       if parts is None:
         continue
       name = jax.tree_util.keystr(path)
-      _topk.check_parts_on_devices(x, parts, "periodic_mask", name)
+      _geometry.check_parts_on_devices(x, parts, "periodic_mask", name)
       if final is not None:
         check_parts_keep(parts, jnp.shape(x), name)
     if structure is None:
@@ -362,7 +367,7 @@ def periodic_mask(
   def check_parts_keep(parts, shape, name):
     # The top-k of a part rounds the target on its T_p tiles: where that keeps no
     # tile while the leaf's top-k would keep some, the layer would be pruned whole.
-    tiles = _topk.num_tiles(shape, block)
+    tiles = _geometry.num_tiles(shape, block)
     per_part = tiles // math.prod(parts)
     keep = functools.partial(_topk.num_keep_host, final)
     if keep(per_part) == 0 < keep(tiles):
@@ -396,10 +401,10 @@ def periodic_mask(
       if p.layout is None and hasattr(x, "shape"):  # it gets no mask
         what = "periodic_mask passes it no mask (its `where` does not prune it)"
         key = (jax.tree_util.keystr(path), id(x))
-        bounds[key] = _topk.MaskBound(shape, what, None, masked=False)
+        bounds[key] = _mask_bounds.MaskBound(shape, what, None, masked=False)
       if p.layout is None or math.prod(shape) == 0:
         continue
-      units = math.prod(shape) if block is None else _topk.num_tiles(shape, block)
+      units = math.prod(shape) if block is None else _geometry.num_tiles(shape, block)
       leaves.append(((jax.tree_util.keystr(path), id(x)), shape, units, parts))
     total = sum(units for _, _, units, _ in leaves)
     s0 = 0.0 if start > 0 else first_target()
@@ -431,11 +436,11 @@ def periodic_mask(
         n, m = structure
         nm = {"structure": structure, "axis": axis % len(shape), "always": True}
         if start > 0:
-          bounds[name] = _topk.MaskBound(shape, why, size, **nm)
+          bounds[name] = _mask_bounds.MaskBound(shape, why, size, **nm)
         else:
           what = f"periodic_mask(structure={structure}) keeps {n} of every {m}"
           what += f" entries along axis {axis}"
-          bounds[name] = _topk.MaskBound(shape, what, size * n // m, **nm)
+          bounds[name] = _mask_bounds.MaskBound(shape, what, size * n // m, **nm)
         continue
       if s0 is None:  # traced: the counts are known in the step only
         continue
@@ -458,7 +463,7 @@ def periodic_mask(
             f" {keep} of this leaf's {units}"
           )
       tiles = None if block is None else keep
-      bounds[name] = _topk.MaskBound(
+      bounds[name] = _mask_bounds.MaskBound(
         shape, what, keep * area * n_parts, exact, block, tiles, parts,
         always=always and exact,
       )  # fmt: skip
@@ -472,7 +477,7 @@ def periodic_mask(
     masks = [
       optax.MaskedNode()
       if p.layout is None
-      else _compat.put_like(jnp.ones(jnp.shape(x), jnp.bool_), x)
+      else _sharded.put_like(jnp.ones(jnp.shape(x), jnp.bool_), x)
       for p, x in zip(plans, leaves, strict=True)
     ]
     return PeriodicMaskState(
@@ -485,7 +490,7 @@ def periodic_mask(
     )
 
   def init_inner(plans, params):
-    with _topk.mask_bounds(bounds_of(plans, params)):
+    with _mask_bounds.mask_bounds(bounds_of(plans, params)):
       return inner.init(params)
 
   def new_masks(plans, params, grads, old, target, parts):
@@ -554,14 +559,14 @@ def periodic_mask(
           continue
         # Balanced over the shards: one top-k per part of the tile grid.
         n = len(parts[i])
-        s, a = (_topk.split_parts(x, parts[i]) for x in (scores[i], active[i]))
+        s, a = (_geometry.split_parts(x, parts[i]) for x in (scores[i], active[i]))
         k = _topk.num_keep(target, math.prod(s.shape[n:]))
         # k is an argument, not a constant: under Explicit mesh axes like_auto
         # runs the top-k with them as Auto, and k must come in through it.
         per_part = _top_k_mask
         for _ in range(n):
           per_part = jax.vmap(per_part, (0, 0, None))
-        out[i] = _topk.join_parts(_compat.like_auto(per_part, s, s, a, k), n)
+        out[i] = _geometry.join_parts(_sharded.like_auto(per_part, s, s, a, k), n)
         alone.append(i)
     elif structure is None and idx:
       n = sum(scores[i].size for i in idx)
@@ -600,7 +605,7 @@ def periodic_mask(
       if p is not None:
         name = jax.tree_util.keystr(paths[i][0])
         for x in (grads[i], param_leaves[i]):
-          _topk.check_parts_on_devices(x, p, "periodic_mask", name)
+          _geometry.check_parts_on_devices(x, p, "periodic_mask", name)
     old = treedef.flatten_up_to(state.mask)
     count = state.count
     is_refresh = (count >= start) & ((count - start) % every == 0)
@@ -625,7 +630,7 @@ def periodic_mask(
       ]
       # The reset reads and writes every moment, so it runs only when an entry
       # regrew (rare with the default |W|*|g|: pruned weights score 0).
-      inner_state = _trees.run_if(
+      inner_state = _xla_cpu.run_if(
         num > 0,
         lambda s: reset_moments(s, regrown, treedef, moment_names, inner.init(params)),
         inner_state,
@@ -634,7 +639,7 @@ def periodic_mask(
       pruned = (total - kept) / max(total, 1)
       return masks, inner_state, target, num, pruned
 
-    masks, inner_state, target_now, num_regrown, sparsity_now = _trees.run_if(
+    masks, inner_state, target_now, num_regrown, sparsity_now = _xla_cpu.run_if(
       is_refresh,
       refresh,
       (
@@ -657,7 +662,7 @@ def periodic_mask(
       bound = bounds.get((jax.tree_util.keystr(path), id(x)))
       if bound is not None and bound.always:
         promises[id(m)] = bound
-    with _topk.mask_promises(promises):
+    with _mask_bounds.mask_promises(promises):
       inner_updates, inner_state = inner.update(
         updates, inner_state, params, param_mask=mask_tree, **extra_args
       )
@@ -679,4 +684,4 @@ def periodic_mask(
     )
     return treedef.unflatten(out), new_state
 
-  return optax.GradientTransformationExtraArgs(*_compat.typed(init_fn, update_fn))
+  return optax.GradientTransformationExtraArgs(*_shard_map.typed(init_fn, update_fn))

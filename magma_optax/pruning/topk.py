@@ -31,18 +31,15 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import math
-from typing import Any
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from magma_optax._core import compat as _compat
+from magma_optax._core import shard_map as _shard_map
+from magma_optax._core import sharded as _sharded
 
 
 def _ordered_key(score: jax.Array) -> jax.Array:
@@ -135,10 +132,10 @@ def _first_r_cut(
     below = count_true([m & (i < cand) for m, i in zip(selected, index, strict=True)])
     return jnp.where((cand <= total) & (below < r), cand, t)
 
-  return _compat.cond(
+  return _shard_map.cond(
     r <= nbits,
-    lambda: _compat.fori_loop(0, r, next_selected, jnp.int32(-1)),
-    lambda: _compat.fori_loop(0, nbits, bit, jnp.int32(0)),
+    lambda: _shard_map.fori_loop(0, r, next_selected, jnp.int32(-1)),
+    lambda: _shard_map.fori_loop(0, nbits, bit, jnp.int32(0)),
   )
 
 
@@ -175,7 +172,7 @@ def _sample_keys(keys: jax.Array, q: jax.Array) -> jax.Array:
     counts = jnp.sum(keys >= cand[:, None], axis=1, dtype=jnp.int32)
     return jnp.where(counts >= q, cand, t)
 
-  return _compat.fori_loop(0, 32, bit, jnp.zeros(q.shape, jnp.uint32))
+  return _shard_map.fori_loop(0, 32, bit, jnp.zeros(q.shape, jnp.uint32))
 
 
 def _bisect_threshold(
@@ -193,7 +190,7 @@ def _bisect_threshold(
     count = count_true([key >= cand for key in keys])
     return b + 1, jnp.where(count >= k, cand, t), count == k
 
-  _, t, exact = _compat.while_loop(
+  _, t, exact = _shard_map.while_loop(
     lambda carry: (carry[0] < 32) & ~carry[2],
     bit,
     (jnp.int32(0), jnp.uint32(0), k <= 0),
@@ -255,7 +252,7 @@ def _threshold(
     return m, count_true([key >= m for key in keys])
 
   tied = lo_ok & ~done & (jnp.sum(sample == lo) >= 2)
-  m, c_m = _compat.cond(tied, over_the_gap, lambda: (lo, c_lo))
+  m, c_m = _shard_map.cond(tied, over_the_gap, lambda: (lo, c_lo))
   # No key lies strictly between lo and m, so #(>= lo + 1) = c_m.
   gap_ends = c_m < k
   hi, c_hi = jnp.where(gap_ends, lo + 1, hi), jnp.where(gap_ends, c_m, c_hi)
@@ -295,7 +292,7 @@ def _threshold(
 
   f_lo, f_hi = (c_lo - k).astype(jnp.float32), (c_hi - k).astype(jnp.float32)
   carry = (jnp.int32(0), lo, hi, c_lo, c_hi, f_lo, f_hi, jnp.int32(0), done, True)
-  _, t, _, _, c_gt, _, _, _, exact, _ = _compat.while_loop(
+  _, t, _, _, c_gt, _, _, _, exact, _ = _shard_map.while_loop(
     lambda c: ~c[8] & (c[2] - c[1] > 1), step, carry
   )
   return t, exact, k - c_gt  # at the end hi = lo + 1, so #(>= hi) = #(> lo)
@@ -324,7 +321,7 @@ def top_k_masks(
     tied_active = [m & a for m, a in zip(tied, actives, strict=True)]
     tied_inactive = [m & ~a for m, a in zip(tied, actives, strict=True)]
     n_active = count_true(tied_active)
-    return _compat.cond(
+    return _shard_map.cond(
       room <= n_active,
       lambda: (_first_r_cut(tied_active, index, room), jnp.int32(-1)),
       lambda: (
@@ -336,7 +333,7 @@ def top_k_masks(
   def keep_all_ties():
     return jnp.int32(jnp.iinfo(jnp.int32).max), jnp.int32(jnp.iinfo(jnp.int32).max)
 
-  cut_active, cut_inactive = _compat.cond(exact, keep_all_ties, split_ties)
+  cut_active, cut_inactive = _shard_map.cond(exact, keep_all_ties, split_ties)
   return [
     ((key > t) | ((key == t) & (i <= jnp.where(a, cut_active, cut_inactive)))) & (k > 0)
     for key, a, i in zip(keys, actives, index, strict=True)
@@ -377,67 +374,10 @@ def n_m_mask(
   return jnp.moveaxis(keep.reshape(moved_shape), -1, axis)
 
 
-def validate_nm_structure(structure: Any) -> tuple[int, int]:
-  """Checks an N:M structure ``(n, m)``: ints with ``1 <= n <= m``."""
-  ok = (
-    isinstance(structure, tuple | list)
-    and len(structure) == 2
-    and all(isinstance(v, int) and not isinstance(v, bool) for v in structure)
-  )
-  if not ok or not 1 <= structure[0] <= structure[1]:
-    raise ValueError(
-      f"structure must be None or (n, m) ints with 1 <= n <= m (N:M keeps n of"
-      f" every m); got {structure!r}."
-    )
-  return tuple(structure)
-
-
-def _positive_ints(value: Any, message: str, size: int | None = 2) -> tuple[int, ...]:
-  """``value`` as a tuple of ints >= 1 (``size`` of them; ``None``: two or more),
-  else ``ValueError(message)``."""
-  ok = (
-    isinstance(value, tuple | list)
-    and (len(value) == size if size is not None else len(value) >= 2)
-    and all(
-      isinstance(v, int | np.integer) and not isinstance(v, bool | np.bool_) and v >= 1
-      for v in value
-    )
-  )
-  if not ok:
-    raise ValueError(message)
-  return tuple(int(v) for v in value)
-
-
-def validate_block(block: Any) -> tuple[int, int]:
-  """Checks a tile shape ``(r, c)``: positive ints."""
-  return _positive_ints(
-    block,
-    f"block must be None or (r, c) ints >= 1 (tiles of r x c entries over the"
-    f" last two axes); got {block!r}.",
-  )
-
-
-def check_tiles(shape: tuple[int, ...], block: tuple[int, int], name: str) -> None:
-  """Raises ``ValueError`` unless ``block`` tiles the last two axes of ``shape``."""
-  r, c = block
-  if len(shape) < 2 or shape[-2] % r or shape[-1] % c:
-    raise ValueError(
-      f"block={block} prunes r x c tiles over the last two axes, so every pruned"
-      f" leaf needs >= 2 axes with the last two multiples of ({r}, {c}); leaf"
-      f" {name} has shape {shape}. Scope it out with `where` (e.g."
-      " where=magma.attention_mlp_weights) or choose another block."
-    )
-
-
-def num_tiles(shape: tuple[int, ...], block: tuple[int, int]) -> int:
-  """The number of ``r x c`` tiles of the last two axes of ``shape`` (whole ones)."""
-  return math.prod(shape[:-2]) * (shape[-2] // block[0]) * (shape[-1] // block[1])
-
-
 def _tiled(x: jax.Array, block: tuple[int, int]) -> jax.Array:
   r, c = block
   *lead, rows, cols = x.shape
-  return _compat.reshape(x, (*lead, rows // r, r, cols // c, c))
+  return _sharded.reshape(x, (*lead, rows // r, r, cols // c, c))
 
 
 def ranked_scores(s: jax.Array) -> jax.Array:
@@ -462,222 +402,4 @@ def untile(tile_mask: jax.Array, block: tuple[int, int]) -> jax.Array:
   r, c = block
   *lead, rows, cols = tile_mask.shape
   full = jnp.broadcast_to(tile_mask[..., :, None, :, None], (*lead, rows, r, cols, c))
-  return _compat.reshape(full, (*lead, rows * r, cols * c))
-
-
-def validate_shards(shards: Any, block: tuple[int, int] | None, who: str) -> Any:
-  """Checks ``shards``: ``None``, ints >= 1 for the last ``k >= 2`` axes (``(sr,
-  sc)``, or e.g. ``(se, sr, sc)``), or a callable ``(path, leaf) -> counts | None``
-  (checked per leaf by :func:`leaf_shards`)."""
-  if shards is None or callable(shards):
-    pass
-  else:
-    shards = _shard_counts(shards, f"{who}: shards")
-  if shards is not None and block is None:
-    raise ValueError(
-      f"{who}: shards= splits the tile grid of block=(r, c); give block too."
-    )
-  return shards
-
-
-def _shard_counts(value: Any, what: str) -> tuple[int, ...]:
-  return _positive_ints(
-    value,
-    f"{what} must be ints >= 1, the number of equal parts of each of the last k"
-    f" >= 2 axes: (sr, sc) for the last two, (se, sr, sc) for the last three; got"
-    f" {value!r}.",
-    size=None,
-  )
-
-
-def leaf_shards(
-  shards: Any, path: Any, leaf: Any, block: tuple[int, int], name: str
-) -> tuple[int, ...] | None:
-  """A leaf's parts of its tile grid (counts for its last ``k`` axes), or ``None``
-  for one part (unless the leaf is sharded over ``Explicit`` mesh axes).
-
-  Each part must hold whole tiles: the last two axes are multiples of ``sr * r``
-  and ``sc * c``, the axes before them multiples of their counts (a ``ValueError``
-  naming the leaf otherwise).
-  """
-  if shards is None:
-    return None
-  parts = shards(path, leaf) if callable(shards) else shards
-  if parts is None:
-    return None
-  parts = _shard_counts(parts, f"shards for leaf {name}")
-  shape = tuple(jnp.shape(leaf))
-  r, c = block
-  if len(shape) < len(parts):
-    raise ValueError(
-      f"shards={parts} gives counts for the last {len(parts)} axes, but leaf {name}"
-      f" has {len(shape)} (shape {shape}); give each leaf its counts with a"
-      " callable (path, leaf) -> counts, e.g. magma.sharding.tile_shards(params)."
-    )
-  need = (*parts[:-2], parts[-2] * r, parts[-1] * c)
-  if any(n % k for n, k in zip(shape[len(shape) - len(parts) :], need, strict=True)):
-    sizes = " x ".join(map(str, parts))
-    raise ValueError(
-      f"shards={parts} splits the last {len(parts)} axes of leaf {name} (shape"
-      f" {shape}) into {sizes} parts of whole {r}x{c} tiles, so they must be"
-      f" multiples of {need}."
-    )
-  if all(k == 1 for k in parts) and _compat.explicit_spec(leaf) is None:
-    return None  # one part: the leaf's plain tile storage
-  # (On Explicit axes, even of size 1, one part is kept as parts: its per-part
-  # work runs with the axes as Auto, where the plain storage is refused.)
-  return parts
-
-
-def split_parts(x: jax.Array, parts: tuple[int, ...]) -> jax.Array:
-  """``(..., A_1, ..., A_k) -> (s_1, ..., s_k, ..., A_1 / s_1, ..., A_k / s_k)`` for
-  ``parts = (s_1, ..., s_k)``: part ``(a_1, ..., a_k)`` is the ``a_i``-th of ``s_i``
-  equal pieces of each of the last ``k`` axes (a device's shard of a parameter
-  split that way)."""
-  k = len(parts)
-  lead, split = x.shape[: x.ndim - k], x.shape[x.ndim - k :]
-  pieces = [d for s, a in zip(parts, split, strict=True) for d in (s, a // s)]
-  x = _compat.reshape(x, (*lead, *pieces))
-  n = len(lead)
-  return jnp.moveaxis(x, [n + 2 * i for i in range(k)], list(range(k)))
-
-
-def join_parts(x: jax.Array, k: int) -> jax.Array:
-  """The inverse of :func:`split_parts` with ``k`` part axes."""
-  n = x.ndim - 2 * k
-  x = jnp.moveaxis(x, list(range(k)), [n + 2 * i for i in range(k)])
-  lead, pieces = x.shape[:n], x.shape[n:]
-  return _compat.reshape(
-    x, (*lead, *(pieces[2 * i] * pieces[2 * i + 1] for i in range(k)))
-  )
-
-
-def check_parts_on_devices(x: Any, parts: tuple[int, ...], who: str, name: str):
-  """Under ``Explicit`` mesh axes every part of ``x`` must lie on one device: the
-  axes that ``parts`` does not count name no mesh axis (not even one of size 1:
-  the parts' sharding types must match the parameter's), and each counted axis is
-  split into a number of pieces that divides its count (a ``ValueError`` that says
-  so otherwise; elsewhere nothing to check)."""
-  spec = _compat.explicit_spec(x)
-  if spec is None:
-    return
-  mesh = jax.typeof(x).sharding.mesh
-  counts = [_compat.mesh_axis_size(mesh, e) for e in spec]
-  k = len(parts)
-  split = counts[len(counts) - k :]
-  if any(e is not None for e in spec[: len(spec) - k]) or any(
-    p % n for p, n in zip(parts, split, strict=True)
-  ):
-    raise ValueError(
-      f"{who}: shards={parts} splits the last {k} axes of leaf {name} into parts,"
-      f" but the leaf is sharded over Explicit mesh axes as"
-      f" {jax.sharding.PartitionSpec(*spec)} ({' x '.join(map(str, counts))}"
-      " pieces): every part must lie on one device, so give counts for every axis"
-      " the spec names, each a multiple of its number of pieces (shards="
-      "magma.sharding.tile_shards(params) gives them)."
-    )
-
-
-class MaskBound(NamedTuple):
-  """The densest parameter mask a wrapper will hand one leaf, as far as its ``init``
-  knows: what :func:`magma_optax.sparse_state`'s ``init`` checks its compact
-  storage against, so that a mask that certainly cannot be stored is a
-  ``ValueError`` at ``init`` instead of a failed step.
-
-  Attributes:
-    shape: the leaf's shape (a bound for another leaf of the same path is ignored).
-    why: how that mask arises, for the message.
-    entries: its number of active entries (``exact``), or a number it certainly
-      reaches (a global top-k's share); ``None`` where ``init`` cannot know it.
-    exact: whether ``entries`` and ``tiles`` are exact counts.
-    block: ``(r, c)`` where the masks are made of whole ``r x c`` tiles of the last
-      two axes (every mask, not only the densest); ``None`` otherwise.
-    tiles: with ``block``, its active tiles (per part with ``parts``), counted as
-      ``entries`` is; ``None`` where unknown.
-    parts: with ``block``, the counts of the parts that each hold ``tiles``.
-    structure: ``(n, m)`` where every mask keeps ``n`` of each ``m`` along ``axis``.
-    axis: the N:M axis, non-negative.
-    masked: ``False`` where the wrapper passes no mask for the leaf
-      (``optax.MaskedNode``: it does not prune it); the counts are then ``None``.
-    always: whether *every* mask the wrapper hands the leaf is within this bound
-      by construction -- at most ``entries`` (``tiles``) active, made of whole
-      ``block`` tiles or ``structure`` groups -- not only the first refresh's
-      (:func:`magma_optax.periodic_mask` ranking per leaf with a Python number for
-      ``sparsity``: its counts never grow). Given at ``update``
-      (:func:`mask_promises`), it lets :func:`magma_optax.sparse_state` compile
-      no host callback for a check the leaf's masks cannot fail.
-  """
-
-  shape: tuple[int, ...]
-  why: str
-  entries: int | None
-  exact: bool = True
-  block: tuple[int, int] | None = None
-  tiles: int | None = None
-  parts: tuple[int, ...] | None = None
-  structure: tuple[int, int] | None = None
-  axis: int = 0
-  masked: bool = True
-  always: bool = False
-
-  @property
-  def all_active(self) -> bool:
-    return self.exact and self.entries == math.prod(self.shape)
-
-
-# The bounds of the masks that a wrapper's init is about to hand its inner transform,
-# by leaf key path (jax.tree_util.keystr) and leaf object (its id: the same object
-# under the same path is the same leaf). optax's init takes the params only, so the
-# wrapper sets them around its inner init (:func:`mask_bounds`); nothing else reads
-# or writes them, and they are gone when that init returns.
-_MASK_BOUNDS: contextvars.ContextVar[dict[str, MaskBound] | None] = (
-  contextvars.ContextVar("magma_optax_mask_bounds", default=None)
-)
-
-
-@contextlib.contextmanager
-def _setting(var: contextvars.ContextVar, value: Any):
-  token = var.set(value)
-  try:
-    yield
-  finally:
-    var.reset(token)
-
-
-def mask_bounds(bounds: dict[tuple[str, int], MaskBound]):
-  """Makes ``bounds`` (by key path and ``id`` of the leaf) what :func:`mask_bound`
-  returns inside."""
-  return _setting(_MASK_BOUNDS, bounds)
-
-
-# What a wrapper's update promises of the masks it hands its inner update, by the
-# mask leaf's id (the very array passed as ``param_mask``: a wrapper in between that
-# makes new masks loses the promise, and its masks are checked as any others).
-_MASK_PROMISES: contextvars.ContextVar[dict[int, MaskBound] | None] = (
-  contextvars.ContextVar("magma_optax_mask_promises", default=None)
-)
-
-
-def mask_promises(promises: dict[int, MaskBound]):
-  """Makes ``promises`` (bounds with ``always``, by ``id`` of the mask leaf) what
-  :func:`mask_promise` returns inside."""
-  return _setting(_MASK_PROMISES, promises)
-
-
-def mask_promise(mask: Any) -> MaskBound | None:
-  """The bound that an enclosing :func:`mask_promises` promises of every value of
-  the mask leaf ``mask`` (this object, of the bound's shape), or ``None``."""
-  bound = (_MASK_PROMISES.get() or {}).get(id(mask))
-  if bound is None or not bound.always or bound.shape != tuple(jnp.shape(mask)):
-    return None
-  return bound
-
-
-def mask_bound(name: str, leaf: Any) -> MaskBound | None:
-  """The bound set by an enclosing :func:`mask_bounds` for ``leaf`` at key path
-  ``name``, or ``None``. Both must match: optax's wrappers hand their inner
-  transform the same leaf objects at the same paths (``optax.masked`` replaces
-  others by ``MaskedNode``), and a wrapper that hands it a subtree or new arrays
-  gets no bound (nothing is checked at init)."""
-  bound = (_MASK_BOUNDS.get() or {}).get((name, id(leaf)))
-  return bound if bound is not None and bound.shape == tuple(jnp.shape(leaf)) else None
+  return _sharded.reshape(full, (*lead, rows * r, cols * c))

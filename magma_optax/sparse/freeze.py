@@ -55,6 +55,8 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
+from magma_optax._core import xla_cpu as _xla_cpu
+
 # Primitives that map each position of their (same-shaped or scalar) operands to the
 # same position of their result.
 ELEMENTWISE = frozenset({
@@ -81,69 +83,6 @@ class Target(NamedTuple):
   mask: jax.Array
   old: jax.Array
   group: Collection[int]
-
-
-def kept(mask: Any, new: jax.Array, old: jax.Array) -> jax.Array:
-  """``jnp.where(mask, new, old)``, for an ``old`` that the result overwrites (a
-  frozen state entry, written in place into its donated buffer).
-
-  On x86 CPUs with AVX, the XLA:CPU of jax 0.10.2 (not 0.12's) compiles a select
-  whose other case is the value loaded from the address it stores to as a masked
-  store (``vmaskmovps``), which AMD's Zen cores run slowly: a moment update
-  ``where(M, b m + (1 - b) g, m)`` on 4 x 1M float32 entries, donated, took 1.64x
-  the same update without the mask on a 2-core EPYC, against 1.19x with this
-  function; skip storage's step went from 1.45-1.53x ``optax.adam`` to 1.10-1.11x
-  (``benchmarks/RESULTS.md``). On the CPU the select's other case is ``old``'s bits
-  and-ed with ``~mask`` (all ones where it is taken): the same value bit for bit
-  (NaN payloads, signed zeros), but not the loaded value, so LLVM stores the
-  select as it is; elsewhere (``lax.platform_dependent``) plain ``jnp.where``.
-  Other dtypes, or ``new`` and ``old`` of different dtypes or shapes:
-  ``jnp.where``. Derivatives are ``jnp.where``'s (a ``custom_jvp``: a bitcast has
-  none).
-  """
-  new, old = jnp.asarray(new), jnp.asarray(old)
-  dtype = old.dtype
-  if (
-    new.dtype != dtype
-    or new.shape != old.shape
-    or dtype.itemsize not in _UINTS
-    or not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer))
-  ):
-    return jnp.where(mask, new, old)
-  mask = jnp.asarray(mask).astype(bool)  # as jnp.where reads it
-  if jnp.issubdtype(dtype, jnp.integer):  # no tangent: float0
-    return _on_cpu_bits(mask, new, old)
-  return _kept_floats(mask, new, old)
-
-
-_UINTS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
-
-
-def _on_cpu_bits(mask: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
-  def on_bits(mask, new, old):
-    # The select stays (an elementwise op of one operand would be duplicated into
-    # every reader by XLA's fusion, which then reads the old state after it is
-    # overwritten: a copy of it each step), and its other case is old & ~mask:
-    # the same bits where it is taken, but no longer the loaded value itself.
-    uint = _UINTS[old.dtype.itemsize]
-    keep = ~(-mask.astype(uint))  # all ones where not mask
-    bits = jax.lax.bitcast_convert_type(old, uint) & keep
-    return jnp.where(mask, new, jax.lax.bitcast_convert_type(bits, old.dtype))
-
-  return jax.lax.platform_dependent(
-    mask, new, old, cpu=on_bits, default=lambda m, n, o: jnp.where(m, n, o)
-  )
-
-
-# The tangent is the select's (a bitcast has no derivative).
-_kept_floats = jax.custom_jvp(_on_cpu_bits)
-
-
-@_kept_floats.defjvp
-def _kept_floats_jvp(primals, tangents):
-  mask, new, old = primals
-  _, d_new, d_old = tangents
-  return _kept_floats(mask, new, old), jnp.where(mask, d_new, d_old)
 
 
 def _is_var(x: Any) -> bool:
@@ -293,7 +232,7 @@ def evaluate(
     for x, value in zip(eqn.outvars, got, strict=True):
       if x in freeze:
         t = freeze[x]
-        value = jax.lax.optimization_barrier(kept(t.mask, value, t.old))
+        value = _xla_cpu.in_place(_xla_cpu.kept(t.mask, value, t.old))
       env[x] = value
   done = {k for k in targets if _is_var(outs[k]) and outs[k] in freeze}
   return jax.tree.unflatten(jax.tree.structure(shape), map(output, outs)), done

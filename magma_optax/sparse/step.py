@@ -214,14 +214,19 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from magma_optax._core import arguments as _arguments
 from magma_optax._core import compat as _compat
+from magma_optax._core import geometry as _geometry
+from magma_optax._core import mask_bounds as _mask_bounds
 from magma_optax._core import scoping as _scoping
+from magma_optax._core import shard_map as _shard_map
+from magma_optax._core import sharded as _sharded
 from magma_optax._core import trees as _trees
-from magma_optax.kernels import api
+from magma_optax._core import xla_cpu as _xla_cpu
+from magma_optax.kernels import dispatch
 from magma_optax.kernels import reference
 from magma_optax.kernels.tiles import api as tiles
 from magma_optax.masking import engine as _engine
-from magma_optax.pruning import topk as _topk
 from magma_optax.sparse import freeze as _freeze
 
 MODES = ("skip", "compact", "offload")
@@ -455,27 +460,6 @@ def _slot_indices(ctx: jax.Array, num: int) -> jax.Array:
   )
 
 
-def _computed_once(u: jax.Array, any_stored: jax.Array) -> jax.Array:
-  """``u``, a stored-shaped update, computed into a buffer of its own on XLA:CPU.
-
-  A tile expansion (a gather per parameter) is otherwise fused with the base's
-  update that computes ``u``, which is then evaluated once per *parameter*, every
-  square root and division of Adam's update on 4 M entries instead of the stored
-  1.2 M (d = 0.3): 1.47 ms against 1.00 ms for the expansion of 4 x 1M leaves
-  (``benchmarks/RESULTS.md``). XLA:CPU does not fuse into a branch, and
-  ``optimization_barrier`` does not stop the fusion there (XLA:CPU removes
-  barriers before fusing). ``any_stored`` false (no stored entry: the expansion is
-  all zeros whatever ``u`` holds) takes the other branch. Other platforms keep
-  the fusion: there the extra arithmetic is cheaper than the buffer, and a branch
-  may wait on its predicate.
-  """
-
-  def on_cpu(u, any_stored):
-    return _compat.cond(any_stored, lambda u: u, jnp.zeros_like, u)
-
-  return jax.lax.platform_dependent(u, any_stored, cpu=on_cpu, default=lambda u, _: u)
-
-
 def _moved(ctx: jax.Array, x: jax.Array, old_ctx: jax.Array, num: int) -> jax.Array:
   """Stored entries ``x`` (slots of ``old_ctx``) moved to the slots of ``ctx``;
   items new in ``ctx`` start from zero. Both are sorted, filled with ``num``."""
@@ -695,7 +679,7 @@ def _raise_any(checks: list[_Check]) -> jax.Array | None:
     out = jax.ShapeDtypeStruct((), jnp.int32)
 
     def check(bads, *values):
-      return _compat.cond(
+      return _shard_map.cond(
         jnp.any(bads),
         lambda: jax.pure_callback(fail, out, bads, *values, vmap_method="sequential"),
         lambda: jnp.zeros([], jnp.int32),
@@ -797,17 +781,17 @@ class _Storage:
     together, by ``prepare_group`` of the first one's class."""
     return None
 
-  def bound_problem(self, bound: _topk.MaskBound) -> str | None:
+  def bound_problem(self, bound: _mask_bounds.MaskBound) -> str | None:
     """At ``init``: why the masks that ``bound`` describes (the densest one a
     wrapper such as ``periodic_mask`` will pass) certainly fail this storage's
     checks, or ``None`` (also where that depends on the values)."""
     del bound
     return None
 
-  def bound_suffices(self, bound: _topk.MaskBound) -> bool:
+  def bound_suffices(self, bound: _mask_bounds.MaskBound) -> bool:
     """Whether every mask within ``bound`` passes this storage's checks in the
     step (a leaf whose wrapper promises that needs no check reported through the
-    host: :func:`magma_optax._topk.mask_promise`)."""
+    host: :func:`magma_optax._mask_bounds.mask_promise`)."""
     del bound
     return False
 
@@ -861,7 +845,7 @@ class _Skip(_Storage):
 
   def freeze(self, ctx, mask, new, old):
     del ctx
-    return new if mask is None else _freeze.kept(mask, new, old)
+    return new if mask is None else _xla_cpu.kept(mask, new, old)
 
   def scatter(self, ctx, mask, u):
     del ctx
@@ -880,7 +864,7 @@ class _Offload(_Skip):
   def load(self, x, active):
     if not _on_host(x):
       return x
-    return _compat.cond(
+    return _shard_map.cond(
       True if active is None else active,
       lambda: jax.device_put(x, _SPACE.Device),
       lambda: jnp.zeros(x.shape, x.dtype),
@@ -889,7 +873,7 @@ class _Offload(_Skip):
   def unload(self, new, orig, active):
     if not _on_host(orig):
       return new
-    return _compat.cond(
+    return _shard_map.cond(
       True if active is None else active,
       lambda: jax.device_put(new, _SPACE.Host),
       lambda: orig,
@@ -1204,7 +1188,7 @@ class _Tiles(_Storage):
       self.num_tiles,
       self.capacity,
       tuple((jnp.shape(x), jnp.result_type(x)) for x in arrays),
-      frozenset().union(*map(_compat.varying, arrays)),
+      frozenset().union(*map(_shard_map.varying, arrays)),
     )
 
   def old_slots(self, ctx, bits):
@@ -1249,7 +1233,7 @@ class _Tiles(_Storage):
     del mask
     if any_stored is None:
       any_stored = ctx[0] < self.num_tiles
-    return self.expand(ctx, _computed_once(u, any_stored), slot)
+    return self.expand(ctx, _xla_cpu.computed_once(u, any_stored), slot)
 
   @staticmethod
   def scatter_group(storages, ctx, masks, us):
@@ -1281,7 +1265,7 @@ class _ShardedTiles(_Storage):
   """Compact tile storage per shard: ``(s_1, ..., s_k, capacity, r, c)``.
 
   The leaf's last ``k >= 2`` axes are split into ``s_1 x ... x s_k`` equal parts
-  (:func:`magma_optax._topk.split_parts`: a device's shard of a parameter sharded
+  (:func:`magma_optax._geometry.split_parts`: a device's shard of a parameter sharded
   ``s_i`` ways along each of them; ``(sr, sc)`` for the last two), and each part is
   a :class:`_Tiles` of its own (``part``) with ``capacity`` slots: every method is
   the part's, ``vmap``-ed over the parts. So the indices are local to a part and
@@ -1325,11 +1309,11 @@ class _ShardedTiles(_Storage):
     """``stored`` with its parts sharded like ``x``'s split axes, where ``x`` is
     sharded over ``Explicit`` mesh axes (elsewhere unchanged): the state then has
     the types the step gives it."""
-    spec = _compat.explicit_spec(x)
+    spec = _sharded.explicit_spec(x)
     if spec is None:
       return stored
     self._check_explicit(x)
-    return _compat.put_like(stored, x, spec[len(spec) - len(self.parts) :])
+    return _sharded.put_like(stored, x, spec[len(spec) - len(self.parts) :])
 
   def param_axes(self, ndim: int) -> tuple[int | None, ...]:
     """The parameter axes that the stored arrays' leading axes index (the parts),
@@ -1338,12 +1322,12 @@ class _ShardedTiles(_Storage):
 
   def _check_explicit(self, x):
     """Under ``Explicit`` mesh axes every part must lie on one device."""
-    _topk.check_parts_on_devices(x, self.parts, "sparse_state", self.name)
+    _geometry.check_parts_on_devices(x, self.parts, "sparse_state", self.name)
 
   def per_part(self, fn, *args, in_axes=0, order=None):
     """``vmap(...(vmap(fn)))(*args)`` over the parts (the leading ``k`` axes);
     under ``Explicit`` mesh axes with them as ``Auto`` inside
-    (:func:`magma_optax._compat.like_auto`), the outputs sharded like the parts
+    (:func:`magma_optax._sharded.like_auto`), the outputs sharded like the parts
     of ``args[0]``. ``order``: ``fn`` takes ``args`` in that order."""
     if order is not None:
       inner = fn
@@ -1351,14 +1335,14 @@ class _ShardedTiles(_Storage):
     batched = fn
     for _ in self.parts:
       batched = jax.vmap(batched, in_axes)
-    return _compat.like_auto(batched, args[0], *args, axes=len(self.parts))
+    return _sharded.like_auto(batched, args[0], *args, axes=len(self.parts))
 
   def prepare(self, mask, bits, grad, whole=False, record=False):
     self._check_explicit(grad)
     self._check_explicit(mask)
     flat, differ = self.per_part(
       functools.partial(self.part.tiles_of, whole=whole),
-      _topk.split_parts(mask, self.parts),
+      _geometry.split_parts(mask, self.parts),
     )
     if record:  # the parts' counts first: a failing leaf keeps every part's tiles
       n_active = self.per_part(lambda f: jnp.sum(f, dtype=jnp.int32), flat)
@@ -1372,7 +1356,7 @@ class _ShardedTiles(_Storage):
       at = jnp.where(jnp.any(differ), jnp.argmax(differ), jnp.argmax(n_active))
       return jnp.any(differ), jnp.max(n_active), *jnp.unravel_index(at, self.parts)
 
-    differ, n_active, *where = _compat.like_auto(
+    differ, n_active, *where = _sharded.like_auto(
       worst, differ, differ, n_active, axes=0
     )
     check = _Check(
@@ -1402,7 +1386,7 @@ class _ShardedTiles(_Storage):
     return self.per_part(self.part.remap, x, ctx, bits, order=(1, 0, 2))
 
   def gather(self, ctx, x):
-    return self.per_part(self.part.gather, ctx, _topk.split_parts(x, self.parts))
+    return self.per_part(self.part.gather, ctx, _geometry.split_parts(x, self.parts))
 
   def stored_mask(self, ctx, mask):
     del mask
@@ -1411,10 +1395,10 @@ class _ShardedTiles(_Storage):
   def scatter(self, ctx, mask, u):
     del mask
     # Once for all parts (under the parts' vmap a branch would be a select).
-    u = _computed_once(u, jnp.any(ctx[..., 0] < self.part.num_tiles))
+    u = _xla_cpu.computed_once(u, jnp.any(ctx[..., 0] < self.part.num_tiles))
     part = lambda c, v: self.part.expand(c, v)  # noqa: E731
     scattered = self.per_part(part, ctx, u)
-    return _topk.join_parts(scattered, len(self.parts))
+    return _geometry.join_parts(scattered, len(self.parts))
 
 
 class _HostTiles:
@@ -1478,15 +1462,15 @@ class _Grouped(_Storage):
     ``Explicit`` mesh axes (the stored arrays and bits keep every axis of the
     parameter; the groups' axis shrinks by whole groups per device)."""
     self._check_explicit(x)
-    return _compat.put_like(stored, x)
+    return _sharded.put_like(stored, x)
 
   def _check_explicit(self, x):
     """Under ``Explicit`` mesh axes every device must hold whole groups."""
-    spec = _compat.explicit_spec(x)
+    spec = _sharded.explicit_spec(x)
     if spec is None:
       return
     g = self.groups
-    pieces = _compat.mesh_axis_size(jax.typeof(x).sharding.mesh, spec[g.axis])
+    pieces = _sharded.mesh_axis_size(jax.typeof(x).sharding.mesh, spec[g.axis])
     if g.shape[g.axis] % (pieces * g.m):
       raise ValueError(
         f"sparse_state: N:M compact storage (structure=({g.n}, {g.m}), groups of"
@@ -1558,7 +1542,7 @@ class _Grouped(_Storage):
     del mask
     # Each entry's select reads n stored entries: fused, the update would be
     # evaluated m * n / n = m times per group entry stored.
-    u = _computed_once(u, jnp.any(ctx < self.groups.n))
+    u = _xla_cpu.computed_once(u, jnp.any(ctx < self.groups.n))
     return self.groups.expand(u, ctx)
 
 
@@ -1567,7 +1551,7 @@ def _first(x: jax.Array) -> jax.Array:
   mesh axes, where a slice of a sharded axis is not allowed, its maximum."""
   if not x.size:
     return jnp.zeros((), x.dtype)
-  if _compat.explicit_spec(x) is not None:
+  if _sharded.explicit_spec(x) is not None:
     return jnp.max(x)
   return x.reshape(-1)[0]
 
@@ -1712,7 +1696,7 @@ def sparse_state(
     Lee et al., jaxpruner, arXiv 2304.14082 (2023) (dense state for pruned weights,
     which this avoids).
   """
-  storages_of = _engine.from_arguments(_planner, locals())
+  storages_of = _arguments.from_arguments(_planner, locals())
   return _transformation(
     base, storages_of, offload_after, _base_step(base), on_error=on_error
   )
@@ -1817,13 +1801,13 @@ def sparse_adam(
       "sparse_adam: learning_rate must be a real scalar or an optax schedule;"
       f" got {learning_rate!r}."
     )
-  interpret = api.check_interpret(interpret)
+  interpret = dispatch.check_interpret(interpret)
   if block is None and implementation not in (None, "xla"):
     raise ValueError(
       f"implementation={implementation!r} chooses the kernel of tile storage"
       " (block=(r, c)); the other storages run in XLA."
     )
-  storages_of = _engine.from_arguments(_planner, locals())
+  storages_of = _arguments.from_arguments(_planner, locals())
   # Fails fast (here, for float32 tiles) where the request cannot run at all; the
   # step checks again with the leaves' dtypes.
   tiles.resolve_implementation(
@@ -1859,7 +1843,7 @@ def sparse_adam(
           )  # fmt: skip
 
         if isinstance(s, _ShardedTiles):  # one step per part, batched over them
-          g = _topk.split_parts(g, s.parts)
+          g = _geometry.split_parts(g, s.parts)
           axes = (0, 0, 0, 0, None, None)
           out = s.per_part(tile_step, g, m, v, c, count, lr, in_axes=axes)
         else:
@@ -1874,9 +1858,7 @@ def sparse_adam(
           # XLA then writes them in place and the update's loop reads them,
           # instead of recomputing them from the old moments (which it would
           # have to copy, since they are overwritten).
-          m32, v32 = jax.lax.optimization_barrier(
-            (m32.astype(m.dtype), v32.astype(v.dtype))
-          )
+          m32, v32 = _xla_cpu.in_place((m32.astype(m.dtype), v32.astype(v.dtype)))
         u = reference.update(
           m32.astype(jnp.float32), v32.astype(jnp.float32), hyper, constants,
           layout=None, dtype=g.dtype,
@@ -1921,7 +1903,7 @@ def _planner(
   if mode not in MODES:
     raise ValueError(f"mode must be one of {MODES}; got {mode!r}.")
   if structure is not None:
-    structure = _topk.validate_nm_structure(structure)
+    structure = _geometry.validate_nm_structure(structure)
     if density is not None:
       raise ValueError("give density or structure, not both.")
   if density is not None and not (
@@ -1939,7 +1921,7 @@ def _planner(
   if density is not None:
     density = float(density)
   if block is not None:
-    block = _topk.validate_block(block)
+    block = _geometry.validate_block(block)
     if mode == "skip" or density is None or structure is not None:
       raise ValueError(
         f"block={block} (compact tile storage) needs mode='compact' (or 'offload')"
@@ -1953,7 +1935,7 @@ def _planner(
       f" entry's state and takes neither (got density={density!r},"
       f" structure={structure!r}). Use mode='compact' to store active entries only."
     )
-  shards = _topk.validate_shards(shards, block, "sparse_state")
+  shards = _geometry.validate_shards(shards, block, "sparse_state")
   if mode == "compact" and density is None and structure is None:
     raise ValueError(
       "mode='compact' needs density= (the largest active fraction per leaf, in"
@@ -2001,8 +1983,8 @@ def _planner(
       return _Storage(shape, name)
     size = math.prod(shape)
     if size > 0 and block is not None:
-      _topk.check_tiles(shape, block, name)
-      parts = _topk.leaf_shards(shards, path, x, block, name)
+      _geometry.check_tiles(shape, block, name)
+      parts = _geometry.leaf_shards(shards, path, x, block, name)
       tiles = _Tiles(shape, name, block, 1, "").num_tiles // math.prod(parts or (1,))
       cap = _capacity(tiles, density, None)
       if cap <= density_threshold * tiles:
@@ -2138,7 +2120,7 @@ def _transformation(
     # Masks that a wrapper's init announced (periodic_mask's densest ones): one
     # that certainly cannot be stored fails here, before any step.
     for i, s in enumerate(storages):
-      bound = _topk.mask_bound(s.name, flat[i])
+      bound = _mask_bounds.mask_bound(s.name, flat[i])
       if bound is None:
         continue
       if bound.masked:
@@ -2204,14 +2186,14 @@ def _transformation(
   def promised(param_mask, storages, treedef):
     """Per leaf, whether an enclosing wrapper promises of the very mask array it
     passes that every value it takes passes the storage's checks
-    (:func:`magma_optax._topk.mask_promise`: periodic_mask's exact counts)."""
+    (:func:`magma_optax._mask_bounds.mask_promise`: periodic_mask's exact counts)."""
     if param_mask is None:
       return [False] * len(storages)
     out = []
     for s, m in zip(
       storages, _trees.split_param_mask(treedef, param_mask), strict=True
     ):
-      bound = None if m is None or _trees.is_masked(m) else _topk.mask_promise(m)
+      bound = None if m is None or _trees.is_masked(m) else _mask_bounds.mask_promise(m)
       out.append(bound is not None and s.bound_suffices(bound))
     return out
 
@@ -2225,14 +2207,14 @@ def _transformation(
     # Where XLA may partition the step, leaves stay apart: one computation over
     # several leaves would tie their shardings (XLA gave one leaf's updates
     # another's sharding, and all-gathered them).
-    together = not _compat.partitionable()
+    together = not _sharded.partitionable()
     for i, s in enumerate(storages):
       key = s.batch_key() if together and batched(i) else None
       if key is not None:
         # Inside shard_map, leaves that vary along other mesh axes stay apart
         # (stacked, each would vary along the other's).
         arrays = [a[i] for a in args if isinstance(a[i], jax.Array)]
-        key = (key, frozenset().union(*map(_compat.varying, arrays)))
+        key = (key, frozenset().union(*map(_shard_map.varying, arrays)))
       extra = () if same is None else (same[i],)
       groups[("alone", i) if key is None else (key, *extra)].append(i)
     for key, idx in groups.items():
@@ -2341,7 +2323,7 @@ def _transformation(
         return []
       # Sharded like the state (a loop's carry and a select's cases must be).
       ones = s.place(jnp.ones(s.stored_shape, jnp.int8), flat_g[i])
-      kept = s.remap(now, _compat.put_like(ones, xs[0]), old_bits) != 0
+      kept = s.remap(now, _sharded.put_like(ones, xs[0]), old_bits) != 0
       return [
         s.remap_fresh(now, x, old_bits, f, kept)
         for x, f in zip(xs, fresh[i], strict=True)
@@ -2351,7 +2333,7 @@ def _transformation(
     # Leaves whose remaps run as one computation (``remap_key``; not where XLA
     # may partition the step, as in by_batch), by key.
     remap_groups = collections.defaultdict(list)
-    if not _compat.partitionable():
+    if not _sharded.partitionable():
       for i, s in enumerate(storages):
         key = None
         if changed[i] is not None:
@@ -2451,7 +2433,7 @@ def _transformation(
 
     def refresh_each(carries):
       return [
-        _trees.run_if(pred_of(i), refresh, carry)
+        _xla_cpu.run_if(pred_of(i), refresh, carry)
         for (i, refresh, _), carry in zip(loops, carries, strict=True)
       ]
 
@@ -2459,7 +2441,7 @@ def _transformation(
     if len(loops) > 1:
       # One loop around the leaves' loops: on ordinary steps one predicate to wait
       # for, not one per leaf (XLA:CPU waits at each loop's condition).
-      carries = _trees.run_if(
+      carries = _xla_cpu.run_if(
         functools.reduce(jnp.logical_or, [pred_of(i) for i, _, _ in loops]),
         refresh_each,
         carries,
@@ -2583,7 +2565,7 @@ def _transformation(
     )
 
   return optax.GradientTransformationExtraArgs(
-    *_compat.typed(init_fn, update_fn, param_mask=True)
+    *_shard_map.typed(init_fn, update_fn, param_mask=True)
   )
 
 

@@ -5,7 +5,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from magma_optax._core import shard_map as _shard_map
 from magma_optax._core import trees as _trees
+from magma_optax._core import xla_cpu as _xla_cpu
 
 
 def test_map_like_with_masked_subtrees_shapes_and_more_trees():
@@ -34,11 +36,11 @@ def test_run_if_runs_zero_or_one_step_and_is_reverse_differentiable():
   # lax.cond, since a while_loop has no reverse mode.
   fn = lambda x: {"a": x["a"] * 3.0}
   x = {"a": jnp.arange(3.0)}
-  assert _trees.run_if(jnp.asarray(True), fn, x)["a"].tolist() == [0.0, 3.0, 6.0]
-  assert _trees.run_if(jnp.asarray(False), fn, x)["a"].tolist() == [0.0, 1.0, 2.0]
+  assert _xla_cpu.run_if(jnp.asarray(True), fn, x)["a"].tolist() == [0.0, 3.0, 6.0]
+  assert _xla_cpu.run_if(jnp.asarray(False), fn, x)["a"].tolist() == [0.0, 1.0, 2.0]
 
   def loss(s, pred):
-    return jnp.sum(_trees.run_if(pred, fn, {"a": s * x["a"]})["a"])
+    return jnp.sum(_xla_cpu.run_if(pred, fn, {"a": s * x["a"]})["a"])
 
   for pred, want in ((True, 9.0), (False, 3.0)):
     grad = jax.jit(jax.grad(loss))(jnp.asarray(1.0), jnp.asarray(pred))
@@ -53,9 +55,9 @@ def test_run_if_nested_in_a_differentiated_run_if_is_reverse_differentiable():
   # tangent in its operand, and must still take its tangent from a cond.
   def loss(s, outer, inner):
     def fn(c):
-      return _trees.run_if(inner, lambda d: {"a": d["a"] * 3.0}, {"a": c["a"] * 2.0})
+      return _xla_cpu.run_if(inner, lambda d: {"a": d["a"] * 3.0}, {"a": c["a"] * 2.0})
 
-    return jnp.sum(_trees.run_if(outer, fn, {"a": s * jnp.arange(3.0)})["a"])
+    return jnp.sum(_xla_cpu.run_if(outer, fn, {"a": s * jnp.arange(3.0)})["a"])
 
   grad = jax.jit(jax.grad(loss))
   for outer, inner, want in ((1, 1, 18.0), (1, 0, 6.0), (0, 1, 3.0), (0, 0, 3.0)):
@@ -68,7 +70,7 @@ def test_run_if_differentiates_what_fn_closes_over_also_inside_scan():
   # loop is traced before any tangent exists. Two steps: sum(x * s**2), d/ds = 6.
   def loss(s, pred):
     def body(c, _):
-      return _trees.run_if(pred, lambda x: {"a": x["a"] * s}, c), None
+      return _xla_cpu.run_if(pred, lambda x: {"a": x["a"] * s}, c), None
 
     out, _ = jax.lax.scan(body, {"a": jnp.arange(3.0)}, None, length=2)
     return jnp.sum(out["a"])
@@ -85,7 +87,6 @@ def test_inside_shard_map_bodies_are_traced_once_for_their_types():
   # Inside shard_map a loop's carry and a cond's outputs are cast to the types the
   # body gives them; the trace that finds those types is replayed as the body, so
   # nested loops and branches do not trace their bodies again at every level.
-  from magma_optax._core import compat as _compat
 
   mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
   calls = {"body": 0, "true": 0, "false": 0, "fn": 0}
@@ -96,7 +97,7 @@ def test_inside_shard_map_bodies_are_traced_once_for_their_types():
     return i + 1, n + jnp.sum(x > 0).astype(jnp.int32), x
 
   def local(x):
-    _, n, _ = _compat.while_loop(
+    _, n, _ = _shard_map.while_loop(
       lambda c: c[0] < 2, body, (jnp.int32(0), jnp.int32(0), x)
     )
 
@@ -108,13 +109,13 @@ def test_inside_shard_map_bodies_are_traced_once_for_their_types():
       calls["false"] += 1
       return x, jnp.float32(0.0)  # a constant: cast to vary along x
 
-    y, s = _compat.cond(n > 2, true_fun, false_fun, x)
+    y, s = _shard_map.cond(n > 2, true_fun, false_fun, x)
 
     def fn(c):
       calls["fn"] += 1
       return {"a": c["a"] + x.sum(), "k": c["k"] + 1}
 
-    z = _trees.run_if(n > 0, fn, {"a": jnp.float32(0.0), "k": jnp.int32(0)})
+    z = _xla_cpu.run_if(n > 0, fn, {"a": jnp.float32(0.0), "k": jnp.int32(0)})
     return y, s[None], z["a"][None], z["k"][None]
 
   f = jax.shard_map(local, mesh=mesh, in_specs=P("x"), out_specs=P("x"))

@@ -28,7 +28,7 @@ import magma_optax as magma
 from magma_optax import kernels
 from magma_optax._core import blocks as _blocks
 from magma_optax._core import compat as _compat
-from magma_optax.kernels import api
+from magma_optax.kernels import dispatch
 from magma_optax.kernels import mosaic_tpu as pallas_tpu
 
 NO_GPU_INTERPRETER = (
@@ -237,7 +237,7 @@ def test_bad_interpret_values_raise(bad):
 def test_missing_interpreter_names_the_jax_version():
   g = jnp.ones((4, 8))
   if _compat.has_mosaic_gpu():
-    assert api.check_interpret("gpu") == "gpu"  # the positive control
+    assert dispatch.check_interpret("gpu") == "gpu"  # the positive control
     return
   with pytest.raises(ValueError, match=r"jax >= 0\.12") as err:
     kernels.masked_adam(g, g, g, count=1, learning_rate=1e-3, interpret="gpu")
@@ -271,9 +271,9 @@ def test_pallas_picks_the_backends_kernel(monkeypatch, backend, device, want):
     monkeypatch.setattr(jax, "devices", lambda *a: [device])
   if want == "hopper":
     want = "mosaic_gpu" if _compat.has_mosaic_gpu() else "triton"
-  assert api.pallas_backend(False) == want
-  assert api.pallas_backend("tpu") == "mosaic_tpu"
-  assert api.pallas_backend(True) == "triton"
+  assert dispatch.pallas_backend(False) == want
+  assert dispatch.pallas_backend("tpu") == "mosaic_tpu"
+  assert dispatch.pallas_backend(True) == "triton"
 
 
 @pytest.mark.skipif(not _compat.has_mosaic_gpu(), reason=NO_GPU_INTERPRETER)

@@ -933,7 +933,7 @@ def test_reverse_mode_through_refreshes(kw, loop):
   # d loss(params after 3 steps) / d learning rate through refreshes every step,
   # the steps unrolled in Python or in a lax.scan: the refresh's zero-or-one-step
   # loop, the moment reset nested in it and compact storage's loops take their
-  # tangents from a cond (_trees.run_if's JVP rule). Before, jax.grad failed from
+  # tangents from a cond (_xla_cpu.run_if's JVP rule). Before, jax.grad failed from
   # the second step (a while_loop has no reverse mode), and in a scan from the
   # first. Checked against a central finite difference (tolerance 2 %).
   kw = dict(kw)

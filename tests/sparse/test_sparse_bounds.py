@@ -1,7 +1,7 @@
 """Tests for the init-time check of periodic_mask's masks against compact storage.
 
 ``periodic_mask``'s init tells the transform inside it the densest mask each leaf
-will get (``_topk.MaskBound``: all-active before ``start`` and at the start of a
+will get (``_mask_bounds.MaskBound``: all-active before ``start`` and at the start of a
 ramp, the top-k count of the first refresh, the tiles, the N:M groups), and
 ``sparse_state``'s init raises, before any step, the ``ValueError`` that a step
 would where that mask certainly cannot be stored. The reference is the first step
@@ -18,6 +18,7 @@ import optax
 import pytest
 
 import magma_optax as magma
+from magma_optax._core import mask_bounds as _mask_bounds
 from magma_optax.pruning import topk as _topk
 
 LR = 0.05
@@ -259,14 +260,14 @@ def test_what_init_cannot_know_is_left_to_the_step():
 
 def test_a_bound_is_for_its_path_and_leaf():
   w, v = jnp.ones((2, 2)), jnp.ones((2, 2))
-  bound = _topk.MaskBound((2, 2), "test", 4)
+  bound = _mask_bounds.MaskBound((2, 2), "test", 4)
   assert bound.all_active
   assert not bound._replace(exact=False).all_active
-  with _topk.mask_bounds({("['w']", id(w)): bound}):
-    assert _topk.mask_bound("['w']", w) is bound
-    assert _topk.mask_bound("['w']", v) is None  # another leaf at that path
-    assert _topk.mask_bound("['v']", w) is None  # that leaf at another path
-  assert _topk.mask_bound("['w']", w) is None  # gone after the init
+  with _mask_bounds.mask_bounds({("['w']", id(w)): bound}):
+    assert _mask_bounds.mask_bound("['w']", w) is bound
+    assert _mask_bounds.mask_bound("['w']", v) is None  # another leaf at that path
+    assert _mask_bounds.mask_bound("['v']", w) is None  # that leaf at another path
+  assert _mask_bounds.mask_bound("['w']", w) is None  # gone after the init
 
 
 def test_a_wrapper_that_hands_on_a_subtree_gets_no_bound():

@@ -21,7 +21,7 @@ import optax
 import pytest
 
 import magma_optax as magma
-from magma_optax.pruning import topk as _topk
+from magma_optax._core import mask_bounds as _mask_bounds
 from magma_optax.sparse import step as _sparse_state
 
 LR = 0.05
@@ -106,12 +106,12 @@ NOT_PROMISED = {
 @contextlib.contextmanager
 def unpromised():
   """Steps traced inside see no promise: every check goes through the host."""
-  saved = _topk.mask_promise
-  _topk.mask_promise = lambda mask: None
+  saved = _mask_bounds.mask_promise
+  _mask_bounds.mask_promise = lambda mask: None
   try:
     yield
   finally:
-    _topk.mask_promise = saved
+    _mask_bounds.mask_promise = saved
 
 
 def program(tx, params):
@@ -337,5 +337,5 @@ def test_which_bounds_suffice_for_a_storage(storage, bound, suffices):
   kw = dict(bound)
   if storage == "N:M" and kw.get("structure") is not None:
     kw.setdefault("axis", 1)
-  got = make().bound_suffices(_topk.MaskBound(shape, "test", always=True, **kw))
+  got = make().bound_suffices(_mask_bounds.MaskBound(shape, "test", always=True, **kw))
   assert got is suffices

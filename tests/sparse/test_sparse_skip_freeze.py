@@ -19,6 +19,7 @@ import pytest
 from _hlo import entry_copies
 
 import magma_optax as magma
+from magma_optax._core import xla_cpu as _xla_cpu
 from magma_optax.sparse import freeze as _freeze
 
 SHAPES = {"w": (6, 8), "b": (8,)}
@@ -304,7 +305,7 @@ def test_an_eager_step_runs_the_base_as_it_is():
   np.testing.assert_array_equal(u["w"], want["w"])
 
 
-# _freeze.kept: the select of a frozen entry, written so that LLVM does not turn it
+# _xla_cpu.kept: the select of a frozen entry, written so that LLVM does not turn it
 # into a masked store (slow on AMD's cores).
 
 KEPT_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32, jnp.int8, jnp.uint8]
@@ -334,18 +335,19 @@ def test_kept_is_where_bit_for_bit(dtype):
   new, old = (_random_bits(rng, (3, 40), dtype) for _ in range(2))
   mask = jnp.asarray(rng.random((3, 40)) < 0.5)
   want = _bits(jnp.where(mask, new, old))
-  np.testing.assert_array_equal(_bits(jax.jit(_freeze.kept)(mask, new, old)), want)
-  np.testing.assert_array_equal(_bits(_freeze.kept(mask, new, old)), want)
-  batched = jax.jit(jax.vmap(_freeze.kept))(mask, new, old)
+  np.testing.assert_array_equal(_bits(jax.jit(_xla_cpu.kept)(mask, new, old)), want)
+  np.testing.assert_array_equal(_bits(_xla_cpu.kept(mask, new, old)), want)
+  batched = jax.jit(jax.vmap(_xla_cpu.kept))(mask, new, old)
   np.testing.assert_array_equal(_bits(batched), want)
   for m in (True, False):  # a scalar mask broadcasts, as in jnp.where
     np.testing.assert_array_equal(
-      _bits(jax.jit(_freeze.kept)(m, new, old)), _bits(jnp.where(m, new, old))
+      _bits(jax.jit(_xla_cpu.kept)(m, new, old)), _bits(jnp.where(m, new, old))
     )
   # A mask of another dtype reads as jnp.where reads it (nonzero: taken).
   numbers = jnp.asarray(rng.integers(-1, 2, size=(3, 40)), jnp.float32)
   np.testing.assert_array_equal(
-    _bits(jax.jit(_freeze.kept)(numbers, new, old)), _bits(jnp.where(numbers, new, old))
+    _bits(jax.jit(_xla_cpu.kept)(numbers, new, old)),
+    _bits(jnp.where(numbers, new, old)),
   )
 
 
@@ -354,7 +356,7 @@ def test_kept_differentiates_as_where():
   x = jnp.array([1.0, -2.0, 3.0, 0.5])
 
   def with_kept(x):
-    return jnp.sum(_freeze.kept(mask, x**2, 3.0 * x))
+    return jnp.sum(_xla_cpu.kept(mask, x**2, 3.0 * x))
 
   def with_where(x):
     return jnp.sum(jnp.where(mask, x**2, 3.0 * x))
@@ -364,7 +366,7 @@ def test_kept_differentiates_as_where():
     jax.jit(jax.grad(with_kept))(x), jax.jit(jax.grad(with_where))(x)
   )
   tangent = jnp.array([1.0, 2.0, -1.0, 4.0])
-  got = jax.jvp(lambda x: _freeze.kept(mask, x**2, 3.0 * x), (x,), (tangent,))
+  got = jax.jvp(lambda x: _xla_cpu.kept(mask, x**2, 3.0 * x), (x,), (tangent,))
   want = jax.jvp(lambda x: jnp.where(mask, x**2, 3.0 * x), (x,), (tangent,))
   for a, b in zip(got, want, strict=True):
     np.testing.assert_array_equal(a, b)

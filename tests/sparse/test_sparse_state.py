@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import magma_optax as magma
-from magma_optax._core import compat as _compat
+from magma_optax._core import sharded as _sharded
 from magma_optax.sparse import step as _sparse_state
 
 B1, B2, EPS, LR = 0.9, 0.999, 1e-8, 0.05
@@ -887,7 +887,7 @@ def test_tile_leaves_remapped_together_keep_each_leafs_state(
   # over their stack; a leaf whose stored set did not change keeps its entries
   # as they were, also its empty slots, where RMSProp's second moment (from
   # initial_scale=1) decays between remaps. The reference: each leaf alone.
-  assert not _compat.partitionable()  # one device: the leaves are grouped
+  assert not _sharded.partitionable()  # one device: the leaves are grouped
   if remap_bytes is not None:
     monkeypatch.setattr(_sparse_state, "_REMAP_BYTES", remap_bytes)
   groups = []  # the number of leaves of each remap group traced
@@ -1010,7 +1010,7 @@ def test_tile_step_launches_few_kernels_per_leaf(base):
     tx = magma.sparse_adam(LR, **storage)
   else:
     tx = magma.sparse_state(optax.adam(LR), **storage)
-  assert not _compat.partitionable()
+  assert not _sharded.partitionable()
   per_leaf = (step_kernels(tx, 6) - step_kernels(tx, 2)) / 4
   adam = optax.adam(LR)
   adam_per_leaf = (step_kernels(adam, 6) - step_kernels(adam, 2)) / 4

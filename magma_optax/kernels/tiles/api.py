@@ -37,7 +37,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from magma_optax.kernels import api
+from magma_optax.kernels import dispatch
 from magma_optax.kernels import reference
 
 
@@ -96,12 +96,12 @@ def tile_adam_reference(g4, mu, nu, tile_index, hyper, constants) -> TileAdamOut
 def pallas_backend(block, dtypes, interpret: bool | str = False) -> str:
   """The backend ``implementation="pallas"`` runs for these tiles.
 
-  :func:`api.pallas_backend`, except that on a Hopper GPU (not in its interpreter)
+  :func:`dispatch.pallas_backend`, except that on a Hopper GPU (not in its interpreter)
   Triton runs tiles that the Mosaic GPU tile kernel cannot.
   """
   from magma_optax.kernels.tiles import pallas as pallas_tiles  # noqa: PLC0415  Pallas on demand
 
-  backend = api.pallas_backend(interpret)
+  backend = dispatch.pallas_backend(interpret)
   if (
     backend == "mosaic_gpu"
     and interpret != "gpu"
@@ -115,10 +115,10 @@ def why_unavailable(
   implementation: str, *, block, dtypes, interpret: bool | str = False
 ) -> str | None:
   """``None`` if ``implementation`` can run these tiles here, else why not."""
-  api.check_implementation(implementation)
+  dispatch.check_implementation(implementation)
   if implementation == "xla":
     return None
-  reason = api.device_reason(interpret)
+  reason = dispatch.device_reason(interpret)
   if reason is not None:
     return reason
   from magma_optax.kernels.tiles import pallas as pallas_tiles  # noqa: PLC0415  Pallas on demand
@@ -135,9 +135,9 @@ def resolve_implementation(
   interpret: bool | str = False,
 ) -> str:
   """The implementation :func:`tile_adam` will run (``ValueError`` as
-  :func:`api.resolve_implementation`)."""
-  interpret = api.check_interpret(interpret)
-  return api.first_available(
+  :func:`dispatch.resolve_implementation`)."""
+  interpret = dispatch.check_interpret(interpret)
+  return dispatch.first_available(
     implementation,
     lambda impl: why_unavailable(impl, block=block, dtypes=dtypes, interpret=interpret),
   )
@@ -206,7 +206,7 @@ def tile_adam(
     )
   block = tuple(mu.shape[1:])
   view = tile_view(grad.shape, block)
-  interpret = api.check_interpret(interpret)
+  interpret = dispatch.check_interpret(interpret)
   dtypes = (grad.dtype, mu.dtype, nu.dtype)
   impl = resolve_implementation(
     implementation, block=block, dtypes=dtypes, interpret=interpret
