@@ -1,62 +1,13 @@
 """Sharding: optimizer states laid out like the parameters, and cosines across shards.
 
-JAX is the distributed engine. Every transform of this package runs under ``jax.jit``
-with parameters sharded on a ``jax.sharding.Mesh`` (``AxisType.Auto`` or
-``Explicit``) and gives the unsharded result (tests/test_sharding.py). For
-:func:`magma`, :func:`skip_update`, :func:`bernoulli_mask`, :func:`alignment_mask`
-and :func:`damping` the per-block sums become partial sums plus an all-reduce of
-block-sized values: no parameter-sized array is gathered on one device.
-The same holds for :func:`periodic_mask`, ``sparse_state(mode="skip")`` and N:M
-compact storage (``sparse_state(mode="compact", structure=(n, m))``, per group, so
-its state keeps the parameter's partition spec when every shard holds whole groups).
-Unstructured ``"compact"`` storage keeps one flat vector of active entries per leaf,
-which XLA gathers (use ``"skip"`` or an N:M structure on sharded parameters).
-Compact *tile* storage is kept per shard with ``shards=`` (:func:`tile_shards` reads
-it from the parameters' shardings): each device then gathers, updates and scatters
-its own tiles, and the tile buffers are sharded like the parameters.
-What users need from this module is the *layout of the state*:
-
-* :func:`state_shardings` -- the shardings of ``tx.init(params)``: a state leaf with a
-  parameter's shape (Adam's ``mu``/``nu``, the wrapper's own momentum, element-wise
-  masks) gets that parameter's sharding; a per-block array (scores and masks of row,
-  column, tile or per-layer blocks) gets the parameter's partition spec restricted to
-  the axes that index blocks, as the transform declared its block layout; scalars,
-  PRNG keys and everything else are replicated.
-* :func:`init` -- ``tx.init`` under ``jax.jit`` with those ``out_shardings``. A plain
-  ``jax.jit(tx.init)`` does not know where zeros should live (``AxisType.Auto``
-  meshes put them on one device).
-* :func:`abstract_state` -- ``jax.ShapeDtypeStruct`` s with those shardings: the
-  target for restoring a checkpoint (orbax) directly into the sharded layout.
-
-Use the same shardings as ``in_shardings``/``out_shardings`` of the training step, so
-the state keeps one layout and the step compiles once::
-
-    state_sh = magma.sharding.state_shardings(tx, params)
-    step = jax.jit(train_step, out_shardings=(params_sh, state_sh))
-
-**Multi-host guarantee.** Every mask draw is a pure function of (key, step, leaf
-path, block index): ``bernoulli(fold_in(fold_in(key, step), crc32(keystr(path))), p,
-block_shape)`` with the key stored in the state, the state's step count and the
-leaf's key path in the parameter tree. It does not depend on the number of devices
-or hosts, the mesh, the parameters' shardings or the process, so every replica takes
-the same mask (``jax_threefry_partitionable``, JAX's default, lets each device
-generate only its own blocks). Keep the parameter tree's paths identical on every
-host.
-Tested on 8 devices vs 1 and on two ``jax.distributed`` processes
-(tests/test_multihost.py).
-
-**shard_map.** Inside ``jax.shard_map`` a transform sees only the local shard: its
-cosines would be of local pieces, its per-block draws of the local shape and
-:func:`periodic_mask`'s top-k of the shard's entries, which is a different algorithm.
-It runs there (with ``check_vma`` too), also in a ``lax.scan`` over steps and inside
-``optax.MultiSteps``, and gives exactly what it gives each shard alone
-(tests/test_sharding.py): ``init`` gives each state leaf the type the update returns
-it with. Run the optimizer under ``jax.jit`` on sharded arrays instead (the
-recommended path); code written per shard that needs Magma's cosine uses
-:func:`block_cosine` with ``axis_name`` naming the mesh axes that split each block.
-
-This module is public as ``magma_optax.sharding`` (``import magma_optax as magma;
-magma.sharding.init(...)``).
+Every transform runs under ``jax.jit`` on sharded parameters and gives the unsharded
+result. This module gives the *layout of the state*: :func:`state_shardings` (a
+state leaf shaped like a parameter gets its sharding, a per-block array the
+parameter's spec on the axes its state declares, anything else is replicated),
+:func:`init` (``tx.init`` with those shardings), :func:`abstract_state` (a checkpoint
+restore target), :func:`tile_shards` (``shards=`` from the parameters' shardings)
+and :func:`block_cosine` (Magma's cosine inside ``shard_map``). Public as
+``magma_optax.sharding``; what holds on several devices and hosts: ``docs/scale.md``.
 """
 
 from __future__ import annotations
@@ -74,7 +25,6 @@ from magma_optax._core import blocks as _blocks
 from magma_optax._core import sharded as _sharded
 from magma_optax._core import trees as _trees
 from magma_optax.masking import alignment as _alignment
-from magma_optax.masking import engine as _engine
 
 __all__ = ("abstract_state", "block_cosine", "init", "state_shardings", "tile_shards")
 
@@ -95,7 +45,7 @@ def _block_spec(
   """Partition spec of a per-block array of a parameter, or ``None`` (replicate).
 
   ``declared``: the parameter axes that the array's axes index, as the transforms
-  declared them at ``init`` (:attr:`BlockLayout.param_axes`); several different
+  declared them in the state (:attr:`BlockLayout.param_axes`); several different
   declarations for one shape (two transforms with different granularities whose
   block shapes coincide) are ambiguous. An undeclared array of the parameter's rank
   (N:M compact storage of :func:`sparse_state`: axis i is the parameter's, shrunk by
@@ -164,7 +114,7 @@ def state_shardings(
 
   * same shape as the parameter: the parameter's sharding;
   * a per-block array: the parameter's ``PartitionSpec`` on the axes that index
-    blocks, as the transform declared them at ``init`` (``BlockLayout.param_axes``:
+    blocks, as the state declares them (``BlockLayout.param_axes``:
     ``"row"`` keeps all but the last axis, ``"column"`` and ``"tensor"`` with
     ``stack_axes`` keep the stacked axes and the last / only the stacked axes, tiles
     keep every axis, counting tiles), where the block count divides evenly; nothing
@@ -223,10 +173,8 @@ def state_shardings(
     jax.tree_util.keystr(path)
     for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
   ]
-  with _engine.declared_layouts() as declared:
-    # A fresh function, so that jax traces init again (a cached trace would not
-    # run the declarations).
-    abstract = jax.eval_shape(lambda p: tx.init(p), params)
+  abstract = jax.eval_shape(tx.init, params)
+  declared = _blocks.declarations(abstract)
 
   def entry(i, leaf):
     key = (paths[i], tuple(leaf.shape))

@@ -1,27 +1,10 @@
 """Blocks: how a parameter tensor is cut into the blocks that share one mask draw.
 
-Every mask in this package acts per *block* b (paper Algorithm 1; Table A2 ablates the
-block size). A block layout maps a leaf of shape ``S`` to a (possibly smaller) array of
-per-block values, and back:
-
-* ``"tensor"`` (default): the whole leaf is one block.
-* ``"row"``: one block per slice along the last axis (``S[:-1]`` blocks).
-* ``"column"``: one block per index of the last axis (``S[-1]`` blocks).
-* ``"element"``: every entry is its own block.
-* a tile shape such as ``(3, 3)``: the last ``len(tile)`` axes are cut into tiles; every
-  tile is a block (leading axes index separate tiles). Each tiled axis must be divisible
-  by its tile size.
-
-Leaves with fewer axes than the granularity needs (``"row"``/``"column"`` on a scalar
-or vector, a 2-D tile on a vector) are one block: a bias never gets a row mask by
-accident, and the decision is stated here rather than guessed per call.
-
-``stack_axes=k`` treats the first ``k`` axes as an index over stacked layers (a model
-scanned over layers stores all layers in one leaf): each slice along them is blocked
-separately with the chosen granularity, so ``"tensor"`` means one block per layer.
-
-Layouts are computed from static shapes only, so they cost nothing under ``jax.jit``:
-``block_sum`` is a reshape plus a reduction, ``to_leaf`` a reshape plus a broadcast.
+A :class:`BlockLayout` maps a leaf to its per-block array and back, for a
+granularity: ``"tensor"`` (the leaf is one block), ``"row"``, ``"column"``,
+``"element"``, or a tile shape; ``stack_axes=k`` blocks each slice along the first
+``k`` axes (stacked layers) separately. Layouts depend on static shapes only.
+:class:`DeclaredAxes` is what a state declares of its per-block arrays.
 """
 
 from __future__ import annotations
@@ -29,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -72,9 +56,8 @@ def validate_stack_axes(stack_axes: int | None) -> int:
 
 
 # Entries of the last axis summed in one run by ``BlockLayout.masked_block_sums``
-# where they divide it (else the whole axis is one run). A bound on the rounding
-# of a sequential float32 sum for long rows; for speed, runs of 64 to 1024 measured
-# the same on XLA:CPU (16 and 8 were slower).
+# where they divide it (else the whole axis is one run): a bound on the rounding
+# of a sequential float32 sum for long rows, long enough to cost nothing on XLA:CPU.
 SUM_RUN = 128
 
 
@@ -265,3 +248,41 @@ def block_layout(
     return BlockLayout(shape, expanded, tuple(reduce_axes), source)
   # "tensor", and the fall-back for leaves with too few axes for the granularity.
   return BlockLayout(shape, shape, body_axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeclaredAxes:
+  """A state's declaration of its per-block arrays: static (no arrays, part of the
+  state's tree structure), read by :func:`magma_optax.sharding.state_shardings`.
+
+  ``entries``: ``(keystr(path), array shape, param_axes)`` per array kind: the
+  arrays of that shape at the parameter ``path`` index the parameter axes
+  ``param_axes``, one per array axis (``None``: an axis of no parameter axis).
+  """
+
+  entries: tuple[tuple[str, tuple[int, ...], tuple[int | None, ...]], ...] = ()
+
+  @classmethod
+  def of_layouts(cls, named_layouts: Sequence[tuple[str, BlockLayout]]) -> DeclaredAxes:
+    """The declaration of the per-block arrays of these ``(path, layout)``."""
+    return cls(
+      tuple(
+        (path, tuple(layout.block_shape), tuple(layout.param_axes))
+        for path, layout in named_layouts
+      )
+    )
+
+
+jax.tree_util.register_static(DeclaredAxes)
+
+
+def declarations(state: Any) -> dict[tuple[str, tuple[int, ...]], set]:
+  """Every declaration in ``state`` (any pytree), by ``(path, array shape)``: the
+  set of ``param_axes`` declared for arrays of that shape at that parameter."""
+  found: dict[tuple[str, tuple[int, ...]], set] = {}
+  is_declared = lambda x: isinstance(x, DeclaredAxes)  # noqa: E731
+  for node in jax.tree.leaves(state, is_leaf=is_declared):
+    if is_declared(node):
+      for path, shape, axes in node.entries:
+        found.setdefault((path, tuple(shape)), set()).add(tuple(axes))
+  return found

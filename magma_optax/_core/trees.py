@@ -1,37 +1,11 @@
 """Parameter-shaped subtrees of optimizer states: one helper, used everywhere.
 
-Many things in an optimizer state are trees *like the parameters*: Adam's ``mu`` and
-``nu``, ``optax.trace``'s ``trace``, this package's scores, masks and momenta. Inside
-``optax.masked`` and ``optax.multi_transform`` they come with ``optax.MaskedNode`` in
-place of leaves or of whole subtrees (the leaves of other groups). Whoever needs them
--- the momentum lookup of :func:`magma_optax.magma`, the sharding of a state, sparse
-storage of a base optimizer's moments, host offload -- finds them here:
-
-* :func:`split_like` -- a node's entries, one per parameter leaf (``MaskedNode`` where
-  a leaf or a whole subtree is masked), or ``None`` if it is not like the parameters;
-* :func:`map_like` -- rebuilds every maximal parameter-like subtree of a state from
-  a function of (parameter index, entry);
-* :func:`split_param_mask` -- the other direction: a full-tree extra argument such as
-  ``param_mask`` restricted to one group's tree (:func:`split_param_mask_like`:
-  and each mask checked to have its parameter's shape);
-
-A node is parameter-like when it has the parameters' tree structure, except that
-``MaskedNode`` may stand for any subtree, and it holds at least one non-``MaskedNode``
-entry (an empty node is like every leafless tree, so it proves nothing).
-
-Example:
-  >>> import jax, jax.numpy as jnp, optax
-  >>> from magma_optax._core import trees as _trees
-  >>> params = {"a": jnp.ones(2), "b": jnp.ones(3)}
-  >>> state = optax.adam(1e-3).init(params)
-  >>> params_def = jax.tree.structure(params)
-  >>> [e.shape for e in _trees.split_like(state[0].mu, params_def)]
-  [(2,), (3,)]
-  >>> _trees.split_like(state[0].count, params_def) is None
-  True
-  >>> shifted = _trees.map_like(lambda i, x: x + i, state, params_def)
-  >>> shifted[0].nu["b"].tolist()
-  [1.0, 1.0, 1.0]
+Many things in a state are trees *like the parameters* (Adam's ``mu``, this
+package's scores, masks and momenta), also with ``optax.MaskedNode`` for other
+groups' leaves inside ``optax.masked``. :func:`split_like` gives a node's entries per
+parameter leaf, :func:`map_like` rebuilds every such subtree of a state,
+:func:`split_param_mask` restricts a full-tree extra argument to a group's tree, and
+:func:`same_shape_groups` / :func:`map_stacked` run same-shaped leaves as one stack.
 """
 
 from __future__ import annotations
@@ -70,6 +44,20 @@ def split_like(node: Any, params_def: Any) -> list[Any] | None:
     One entry per leaf of ``params_def``: the node's leaf there, or
     ``optax.MaskedNode()`` where the node masks that leaf (or a subtree holding it);
     ``None`` if ``node`` does not have that structure or has no unmasked entry.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from magma_optax._core import trees as _trees
+    >>> params = {"a": jnp.ones(2), "b": jnp.ones(3)}
+    >>> state = optax.adam(1e-3).init(params)
+    >>> params_def = jax.tree.structure(params)
+    >>> [e.shape for e in _trees.split_like(state[0].mu, params_def)]
+    [(2,), (3,)]
+    >>> _trees.split_like(state[0].count, params_def) is None
+    True
+    >>> shifted = _trees.map_like(lambda i, x: x + i, state, params_def)
+    >>> shifted[0].nu["b"].tolist()
+    [1.0, 1.0, 1.0]
   """
   n = params_def.num_leaves
   if n == 0:
@@ -249,11 +237,25 @@ def map_stacked(fn: Callable[..., Any], *columns: Sequence[jax.Array]) -> list:
   Several rows are stacked and run through one ``lax.map``, so the program holds
   ``fn``'s computation once instead of once per row. On XLA:CPU the host-side launch
   of every step grows with the program's buffers, including those of loops that do
-  not run: a mask refresh repeated for each of a transformer's 72 leaves made every
-  ordinary step of ``periodic_mask(adam)`` launch in 1.3-2.0 ms instead of 0.09 ms
-  (``benchmarks/RESULTS.md``, "Many leaves"). ``fn`` returns a pytree of arrays.
+  not run (``python3 benchmarks/launch_cost.py``). ``fn`` returns a pytree of
+  arrays.
   """
   rows = len(columns[0])
   stacked = [jnp.stack(list(c)) for c in columns]
   out = jax.lax.map(lambda xs: fn(*xs), stacked)
   return [jax.tree.map(lambda x, j=j: x[j], out) for j in range(rows)]
+
+
+_CONTAINERS = tuple(jax.tree.structure(x) for x in ({}, [], (), None))
+
+
+def is_placeholder(treedef: Any) -> bool:
+  """Whether ``treedef`` is a leafless custom node: what ``optax.tree.map_params``
+  hands ``init`` in place of the parameters. A state's static fields are then a
+  leaf, so that the map keeps the real state's (a prefix of any subtree)."""
+  return (
+    treedef.num_leaves == 0
+    and treedef.num_nodes == 1
+    and treedef not in _CONTAINERS
+    and treedef != jax.tree.structure(optax.MaskedNode())
+  )

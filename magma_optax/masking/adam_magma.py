@@ -1,38 +1,12 @@
 """Adam + Magma as one fused optimizer: the same updates as ``magma(optax.adam(...))``.
 
-``adam_magma`` computes, per leaf and in one kernel call (:func:`kernels.masked_adam`),
-Adam's moments, Magma's alignment sums and the masked, scaled update, instead of
-running ``optax.adam`` and then a second pass for the cosine and the mask. Planning,
-the draws and the mask state come from the same engine and rule as the wrapper's
-(:mod:`magma_optax._engine`, ``_alignment.AlignmentRule``: one draw per (key, step,
-leaf path, block)), so for the same key and hyperparameters the updates equal
-``magma.magma(optax.adam(...))`` (``optax.adamw`` with ``weight_decay``) up to float32
-rounding of the reductions. The score is one pure function of the step's sums: the
-kernel calls it to scale the update, and it is evaluated again on the sums the
-kernel returns (the same ones) for the state.
-
-The state keeps Adam's ``count``, ``mu`` and ``nu`` (found by name, as for
-``optax.adam``), ``mu_sq_norm`` (||mu||^2 per block, carried so that the cosine costs
-no extra pass over mu) and an :class:`AlignmentMaskState` (scores, last mask, active
-fractions), so :func:`magma_optax.mask_stats` reads it unchanged. If you edit ``mu``
-outside the optimizer, update ``mu_sq_norm`` too (a step with ``param_mask`` given
-recomputes it; so does a step after one whose float32 ``||mu||^2`` overflowed).
-
-Each step runs in two halves (:func:`kernels.start_masked_adam`, then
-:func:`kernels.finish_masked_adam`): first every leaf's block sums, then -- only
-where a block's float32 sums are not finite, in one branch for the whole tree --
-those blocks recomputed rescaled (``_alignment.settle_sums``), then the scores and
-the scaled updates. A carried ``||m_t||^2`` that cancels (m_t nearly zero next to
-``b1 m_{t-1}`` and ``(1 - b1) g``; :func:`kernels.carried_sums`) is NaN too, and
-summed directly the same way; blocks of fewer than ``kernels.api.DIRECT_BELOW``
-(16) entries, where that is frequent, sum it directly every step. So the cosines
-are exact for every block of finite entries, as in ``magma(optax.adam)``.
-
-Extra arg ``param_mask`` (a pytree of bools like the params, each leaf of its
-parameter's shape -- another shape is a ``ValueError``, not a broadcast -- ``None``
-leaves allowed): entries where it is False do not exist -- their moments are frozen,
-their update is 0 and they are left out of the cosine -- the convention of
-``magma.periodic_mask``.
+:func:`adam_magma` computes per leaf, in one kernel call
+(:func:`magma_optax.kernels.masked_adam`), Adam's moments, Magma's alignment sums and
+the masked, scaled update. The planning, draws and mask state are the engine's and
+the alignment rule's (:mod:`magma_optax.masking.engine`), so the updates equal the
+wrapper's for the same key. Each step runs in two halves, with the blocks whose
+float32 sums are not finite recomputed exactly in between, in one branch for the
+whole tree.
 """
 
 from __future__ import annotations
@@ -159,9 +133,8 @@ def adam_magma(
   wrapper passes no ``param_mask`` to ``optax.adam``: it updates every entry).
   Cost: Adam's passes plus two
   block reductions (<m_t, g>, ||g||^2); ||m_t||^2 is carried (summed directly in
-  blocks of fewer than 16 entries, or where the carry cancels). On a 2-core CPU that
-  measured 1.45-1.7x ``optax.adam`` (``benchmarks/RESULTS.md``). Leaves out of
-  ``where`` take the plain Adam(W) update.
+  blocks of fewer than 16 entries, or where the carry cancels); timings in
+  ``benchmarks/RESULTS.md``. Leaves out of ``where`` take the plain Adam(W) update.
 
   Args:
     learning_rate: float or ``optax.Schedule`` of the step count.
@@ -216,41 +189,16 @@ def adam_magma(
     arXiv 1412.6980; Loshchilov & Hutter, AdamW, arXiv 1711.05101.
   """
   arguments = dict(locals())  # the arguments, for from_arguments below
-  b1 = _check_unit("b1", b1)
-  b2 = _check_unit("b2", b2)
-  eps = _static_float("eps", eps, ">= 0")
-  eps_root = _static_float("eps_root", eps_root, ">= 0")
-  for name, value in (("eps", eps), ("eps_root", eps_root)):
-    if value < 0:
-      raise ValueError(f"{name} must be a float >= 0; got {value!r}.")
-  learning_rate = _check_nonnegative("learning_rate", learning_rate)
-  weight_decay = _check_nonnegative("weight_decay", weight_decay)
-  if isinstance(implementation, str) or implementation is None:
-    impls = () if implementation is None else (implementation,)
-  else:
-    impls = tuple(implementation)
-  for impl in impls:
-    if impl not in kernels.IMPLEMENTATIONS:
-      raise ValueError(
-        f"implementation must be one of {kernels.IMPLEMENTATIONS}, a sequence of"
-        f" them, or None; got {implementation!r}."
-      )
-  mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
-  has_decay = (
-    _schedules.is_schedule(weight_decay)
-    or _compat.is_tracer(weight_decay)  # optax.inject_hyperparams
-    or weight_decay != 0.0
-  )
+  adam = _AdamConfig.create(arguments)
   # The same engine (config, rule, draws, state) as magma(optax.adam(...)).
   rule = _arguments.from_arguments(_alignment.AlignmentRule.create, arguments)
   engine = _engine.BlockMask(
-    _arguments.from_arguments(_engine.MaskConfig.create, arguments),
-    rule,
+    _arguments.from_arguments(_engine.MaskConfig.create, arguments), rule
   )
 
   def init_fn(params):
     _check_real(params)
-    mu = optax.tree.zeros_like(params, dtype=mu_dtype)
+    mu = optax.tree.zeros_like(params, dtype=adam.mu_dtype)
     # mu serves as Magma's momentum: no own EMA is allocated.
     mask_state = engine.init(params, momentum=jax.tree.leaves(mu))
     return AdamMagmaState(
@@ -264,97 +212,201 @@ def adam_magma(
   def update_fn(updates, state, params=None, *, param_mask=None, **extra_args):
     del extra_args
     _check_real(updates)
-    if has_decay and params is None:
+    if adam.has_decay and params is None:
       raise ValueError(
         "adam_magma with weight_decay needs the params: call update(grads,"
         " state, params)."
       )
-    mask_state = state.mask_state
-    plans, treedef, masks, _ = engine.prepare(updates, mask_state)
-    count = mask_state.count
-    count_inc = optax.safe_increment(state.count)
-    lr = _schedules.evaluate(learning_rate, state.count)
-    wd = _schedules.evaluate(weight_decay, state.count) if has_decay else 0.0
-    grads = treedef.flatten_up_to(updates)
-    mus = treedef.flatten_up_to(state.mu)
-    nus = treedef.flatten_up_to(state.nu)
-    ps = treedef.flatten_up_to(params) if has_decay else [None] * len(grads)
-    if param_mask is None:
-      pms = [None] * len(grads)
-    else:
-      pms = _trees.split_param_mask_like(treedef, param_mask, grads)
-    blank = [optax.MaskedNode()] * len(grads)
-    old_scores = treedef.flatten_up_to(mask_state.scores) if plans else blank
-    old_norms = treedef.flatten_up_to(state.mu_sq_norm) if plans else blank
+    plans, treedef, masks, _ = engine.prepare(updates, state.mask_state)
+    leaves = _leaves(plans, treedef, updates, state, params, param_mask, adam)
+    count = optax.safe_increment(state.count)
     # First half for every leaf: the step's block sums (scoped leaves) ...
-    pending = []
-    for i, plan in enumerate(plans):
-      pending.append(
-        kernels.start_masked_adam(
-          grads[i],
-          mus[i],
-          nus[i],
-          count=count_inc,
-          learning_rate=lr,
-          b1=b1,
-          b2=b2,
-          eps=eps,
-          eps_root=eps_root,
-          weight_decay=wd,
-          params=ps[i],
-          param_mask=pms[i],
-          layout=plan.layout,
-          implementation=implementation,
-          interpret=interpret,
-          block_sizes=block_sizes,
-          with_sums=plan.layout is not None,
-          mu_sq_norm_prev=None if plan.layout is None else old_norms[i],
-        )
-      )
+    pending = [_start(leaf, adam, state.count, count) for leaf in leaves]
     # ... the blocks whose float32 sums are not finite (an overflow, or a carry
     # lost to one or to cancellation) recomputed exactly, in one branch for the
     # whole tree ...
-    pending, sums, norms = _settle(pending, b1)
+    pending, sums, norms = _settle(pending, adam.b1)
     # ... then the scores, and the second half: the scaled updates.
-    out, new_mu, new_nu, new_scores, new_norms = [], [], [], [], []
-    for i, plan in enumerate(plans):
-      scale = score = None
-      if plan.layout is not None:
-        cos = _alignment.cosine_from_sums(*sums[i])
-        score = rule.score(old_scores[i], cos, count)
-        scale = score * masks[i]
-      res = kernels.finish_masked_adam(pending[i], scale)
-      if plan.layout is None:
-        new_norms.append(optax.MaskedNode())
-        new_scores.append(optax.MaskedNode())
-      else:
-        if pms[i] is None:
-          norm = norms[i]
-        else:  # the sums covered existing entries only; the carry needs all
-          norm = plan.layout.block_sum(jnp.square(res.mu.astype(jnp.float32)))
-        new_norms.append(norm)
-        new_scores.append(score)
-      out.append(res.update)
-      new_mu.append(res.mu)
-      new_nu.append(res.nu)
-    overall, by_label = _engine.active_fractions(plans, masks)
-    new_mask_state = mask_state._replace(
-      count=optax.safe_increment(count),
-      scores=_engine.block_tree(treedef, new_scores, False, jnp.float32),
-      mask=_engine.block_tree(treedef, masks, False, jnp.bool_),
-      active_fraction=overall,
-      active_fraction_by_label=by_label,
+    done = [
+      _finish(leaf, p, s, n, z, rule, state.mask_state.count)
+      for leaf, p, s, n, z in zip(leaves, pending, sums, norms, masks, strict=True)
+    ]
+    return treedef.unflatten([d.update for d in done]), _new_state(
+      engine, treedef, plans, state, masks, count, done
     )
-    new_state = AdamMagmaState(
-      count=count_inc,
-      mu=treedef.unflatten(new_mu),
-      nu=treedef.unflatten(new_nu),
-      mu_sq_norm=_engine.block_tree(treedef, new_norms, False, jnp.float32),
-      mask_state=new_mask_state,
-    )
-    return treedef.unflatten(out), new_state
 
   return optax.GradientTransformationExtraArgs(*_shard_map.typed(init_fn, update_fn))
+
+
+class _AdamConfig(NamedTuple):
+  """adam_magma's validated Adam hyperparameters."""
+
+  b1: float
+  b2: float
+  eps: float
+  eps_root: float
+  learning_rate: Any
+  weight_decay: Any
+  has_decay: bool
+  mu_dtype: Any
+  implementation: Any
+  interpret: Any
+  block_sizes: Any
+
+  @classmethod
+  def create(cls, arguments: dict[str, Any]) -> _AdamConfig:
+    """Checks adam_magma's Adam arguments (``ValueError`` naming the argument)."""
+    a = arguments
+    eps = _static_float("eps", a["eps"], ">= 0")
+    eps_root = _static_float("eps_root", a["eps_root"], ">= 0")
+    for name, value in (("eps", eps), ("eps_root", eps_root)):
+      if value < 0:
+        raise ValueError(f"{name} must be a float >= 0; got {value!r}.")
+    implementation = a["implementation"]
+    if isinstance(implementation, str) or implementation is None:
+      impls = () if implementation is None else (implementation,)
+    else:
+      impls = tuple(implementation)
+    for impl in impls:
+      if impl not in kernels.IMPLEMENTATIONS:
+        raise ValueError(
+          f"implementation must be one of {kernels.IMPLEMENTATIONS}, a sequence of"
+          f" them, or None; got {implementation!r}."
+        )
+    weight_decay = _check_nonnegative("weight_decay", a["weight_decay"])
+    has_decay = (
+      _schedules.is_schedule(weight_decay)
+      or _compat.is_tracer(weight_decay)  # optax.inject_hyperparams
+      or weight_decay != 0.0
+    )
+    mu_dtype = a["mu_dtype"]
+    return cls(
+      b1=_check_unit("b1", a["b1"]),
+      b2=_check_unit("b2", a["b2"]),
+      eps=eps,
+      eps_root=eps_root,
+      learning_rate=_check_nonnegative("learning_rate", a["learning_rate"]),
+      weight_decay=weight_decay,
+      has_decay=has_decay,
+      mu_dtype=None if mu_dtype is None else jnp.dtype(mu_dtype),
+      implementation=implementation,
+      interpret=a["interpret"],
+      block_sizes=a["block_sizes"],
+    )
+
+
+class _Leaf(NamedTuple):
+  """One leaf of an adam_magma step: its plan and its entries of every tree."""
+
+  plan: Any
+  grad: jax.Array
+  mu: jax.Array
+  nu: jax.Array
+  param: Any  # with weight decay, else None
+  param_mask: Any  # None where every entry exists
+  score: Any  # the block scores s_{t-1} (MaskedNode where unscoped)
+  norm: Any  # the carried ||m_{t-1}||^2 per block (MaskedNode where unscoped)
+
+
+def _leaves(plans, treedef, updates, state, params, param_mask, adam) -> list[_Leaf]:
+  """The step's per-leaf records."""
+  grads = treedef.flatten_up_to(updates)
+  n = len(grads)
+  blank = [optax.MaskedNode()] * n
+  if param_mask is None:
+    masks = [None] * n
+  else:
+    masks = _trees.split_param_mask_like(treedef, param_mask, grads)
+  scores = treedef.flatten_up_to(state.mask_state.scores) if plans else blank
+  return [
+    _Leaf(*fields)
+    for fields in zip(
+      plans,
+      grads,
+      treedef.flatten_up_to(state.mu),
+      treedef.flatten_up_to(state.nu),
+      treedef.flatten_up_to(params) if adam.has_decay else [None] * n,
+      masks,
+      scores,
+      treedef.flatten_up_to(state.mu_sq_norm) if plans else blank,
+      strict=True,
+    )
+  ]
+
+
+def _start(leaf: _Leaf, adam: _AdamConfig, count: Any, count_inc: Any) -> Any:
+  """The first half of a leaf's step (:func:`kernels.start_masked_adam`)."""
+  scoped = leaf.plan.layout is not None
+  wd = _schedules.evaluate(adam.weight_decay, count) if adam.has_decay else 0.0
+  return kernels.start_masked_adam(
+    leaf.grad,
+    leaf.mu,
+    leaf.nu,
+    count=count_inc,
+    learning_rate=_schedules.evaluate(adam.learning_rate, count),
+    b1=adam.b1,
+    b2=adam.b2,
+    eps=adam.eps,
+    eps_root=adam.eps_root,
+    weight_decay=wd,
+    params=leaf.param,
+    param_mask=leaf.param_mask,
+    layout=leaf.plan.layout,
+    implementation=adam.implementation,
+    interpret=adam.interpret,
+    block_sizes=adam.block_sizes,
+    with_sums=scoped,
+    mu_sq_norm_prev=leaf.norm if scoped else None,
+  )
+
+
+class _Done(NamedTuple):
+  """A leaf's step: its update, moments, new score and carried norm."""
+
+  update: jax.Array
+  mu: jax.Array
+  nu: jax.Array
+  score: Any
+  norm: Any
+
+
+def _finish(leaf, pending, sums, norm, mask, rule, mask_count) -> _Done:
+  """The second half of a leaf's step: its score, then its scaled update."""
+  if leaf.plan.layout is None:
+    res = kernels.finish_masked_adam(pending, None)
+    blank = optax.MaskedNode()
+    return _Done(res.update, res.mu, res.nu, blank, blank)
+  cos = _alignment.cosine_from_sums(*sums)
+  score = rule.score(leaf.score, cos, mask_count)
+  res = kernels.finish_masked_adam(pending, score * mask)
+  if leaf.param_mask is not None:  # the sums covered existing entries only
+    norm = leaf.plan.layout.block_sum(jnp.square(res.mu.astype(jnp.float32)))
+  return _Done(res.update, res.mu, res.nu, score, norm)
+
+
+def _new_state(engine, treedef, plans, state, masks, count, done) -> AdamMagmaState:
+  """The state after a step: Adam's, and the engine's mask state."""
+  mask_state = state.mask_state
+  n = len(done)
+  mask_state = engine.state(
+    treedef,
+    plans,
+    count=optax.safe_increment(mask_state.count),
+    key=mask_state.key,
+    masks=masks,
+    fields={
+      "scores": [d.score for d in done],
+      # mu serves as the momentum: the rule's own field stays unused.
+      "momentum": [optax.MaskedNode()] * n,
+    },
+  )
+  return AdamMagmaState(
+    count=count,
+    mu=treedef.unflatten([d.mu for d in done]),
+    nu=treedef.unflatten([d.nu for d in done]),
+    mu_sq_norm=_engine.block_tree(treedef, [d.norm for d in done], False, jnp.float32),
+    mask_state=mask_state,
+  )
 
 
 def _settle(pending: list[Any], b1: float) -> tuple[list[Any], list[Any], list[Any]]:

@@ -1,34 +1,11 @@
-"""Momentum-gradient alignment masks: the Magma step of arXiv 2602.15322 (Algorithm 1).
+"""Magma's alignment rule: a per-block score from the cosine of momentum and gradient.
 
-Per block b, with momentum mu_t (post-update: it already contains g_t), gradient g_t and
-the update Delta_t to be masked::
-
-    c_t   = cos(mu_t, g_t)                         (0 when either is a zero vector)
-    s^_t  = sigmoid(c_t / tau)
-    s_t   = score_decay * s_{t-1} + (1 - score_decay) * s^_t,   s_0 = init_score
-    z_t   ~ Bernoulli(keep_prob)
-    out   = s_t * z_t * Delta_t                    (no 1/p: biased on purpose)
-
-Cosines and scores are computed in float32 whatever the parameter dtype; the output
-keeps the update's dtype. :func:`alignment_mask` applies this to whatever flows through
-it (its own EMA of the incoming updates is the momentum); :func:`magma_optax.magma`
-applies it to a base optimizer's update with the base's own first moment.
-
-**Exact cosines for every finite block, however large.** The block sums
-``<a, b>``, ``||a||^2``, ``||b||^2`` are float32 and overflow once entries pass about
-``1.8e19 / sqrt(block size)``. Such a block is not given up: its sums are computed
-again with the large vector divided by ``2**80`` (a power of two: exact), which
-keeps every finite float32 entry's square, and a sum of up to ``2**31`` of them,
-below float32's maximum, while the entries that overflowed stay normal numbers
-(:func:`exact_sums`). The cosine is invariant to those scalings, so it is exact to
-float32 rounding for every block of finite entries. Ordinary steps pay one test of
-the small per-block sums for this: :func:`settle_sums` recomputes them, for the
-whole parameter tree at once, in one branch that runs only when some block's sums
-are not finite. Only a block holding an inf or NaN has no cosine (NaN); its score
-is kept (:func:`next_score`). At the other end nothing is rescaled: entries below
-about ``1e-19`` have squares below float32's smallest normal number, which the sums
-lose, so a block of such tiny entries gets the cosine of its larger entries alone,
-or 0 (Adam's update there is about ``lr |g| / eps``: next to nothing).
+:class:`AlignmentRule` keeps per block ``s_t = 0.9 s_{t-1} + 0.1 sigmoid(cos(mu_t,
+g_t) / tau)`` and scales a kept block by it; :func:`alignment_mask` is the rule as a
+transformation (the cosine of its own EMA and of what flows in). Block sums are
+float32 and overflow-safe: where they are not finite for finite entries they are
+recomputed rescaled (:func:`settle_sums`, one branch for the tree), so the cosine is
+exact for every block of finite entries.
 """
 
 from __future__ import annotations
@@ -66,6 +43,8 @@ class AlignmentMaskState(NamedTuple):
       optimizer's first moment is used instead).
     active_fraction: f32 scalar, fraction of scoped entries kept at the last step.
     active_fraction_by_label: dict label -> f32 scalar, the same per label.
+    block_axes: static (no arrays): the parameter axes each per-block array
+      indexes, read by :func:`magma_optax.sharding.state_shardings`.
   """
 
   count: jax.Array
@@ -75,6 +54,7 @@ class AlignmentMaskState(NamedTuple):
   momentum: Any
   active_fraction: jax.Array
   active_fraction_by_label: dict[str, jax.Array]
+  block_axes: _blocks.DeclaredAxes = _blocks.DeclaredAxes()
 
 
 def block_sums(

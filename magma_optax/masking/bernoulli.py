@@ -1,18 +1,8 @@
-"""Random block masks: SkipUpdate (arXiv 2602.15322) and the draws Magma uses.
+"""The Bernoulli rule: keep each block with probability ``p`` (SkipUpdate's mask).
 
-Every mask draw is a pure function of ``(key, step, leaf path, block index)``::
-
-    k_leaf = fold_in(fold_in(key, step), crc32(keystr(path)))
-    z      = bernoulli(k_leaf, keep_prob, shape=block_shape)
-
-where ``key`` is the typed PRNG key kept in the state, ``step`` the state's count
-(0 at the first update) and ``path`` the leaf's key path in the whole parameter tree
-(``jax.tree_util.keystr``, hashed by :func:`magma_optax._scoping.path_id`). Not the
-leaf's position: positions restart inside ``optax.masked`` / ``multi_transform``
-groups, whose leaves would then draw the same masks, and shift when a leaf is added.
-JAX's counter-based PRNG makes ``z[b]`` depend on the block index only, never on how
-the array is laid out over devices, so every device and every host draws the same
-mask for the same key -- the guarantee replicas need to stay identical.
+:func:`bernoulli_mask` draws ``z ~ Bernoulli(p)`` per block and scales a kept block
+by ``1 / p`` (``rescale=True``, unbiased) or by 1; placed after a base optimizer it
+is ``skip_update(base)``.
 """
 
 from __future__ import annotations
@@ -45,6 +35,8 @@ class BernoulliMaskState(NamedTuple):
       the mask ``z`` drawn at the last step (``optax.MaskedNode`` where unscoped).
     active_fraction: f32 scalar, fraction of scoped entries kept at the last step.
     active_fraction_by_label: dict label -> f32 scalar, the same per label.
+    block_axes: static (no arrays): the parameter axes each per-block array
+      indexes, read by :func:`magma_optax.sharding.state_shardings`.
   """
 
   count: jax.Array
@@ -52,6 +44,7 @@ class BernoulliMaskState(NamedTuple):
   mask: Any
   active_fraction: jax.Array
   active_fraction_by_label: dict[str, jax.Array]
+  block_axes: _blocks.DeclaredAxes = _blocks.DeclaredAxes()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +103,7 @@ def bernoulli_mask(
     rescale: divide kept blocks by p (unbiased SkipUpdate); ``False`` keeps them
       unscaled.
     granularity: ``"tensor"``, ``"row"``, ``"column"``, ``"element"`` or a tile
-      shape such as ``(3, 3)``; see :mod:`magma_optax._blocks`.
+      shape such as ``(3, 3)``; see :mod:`magma_optax._core.blocks`.
     stack_axes: number of leading axes that index stacked (scanned) layers
       (``None``: 0); each slice is blocked separately.
     where: which leaves to mask: ``None`` (all floating leaves), a callable

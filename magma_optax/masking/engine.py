@@ -1,73 +1,16 @@
-"""The block-mask engine: the per-leaf plumbing of every block-mask transform, once.
+"""The block-mask engine: the per-leaf plumbing every block-mask transform shares.
 
-:func:`bernoulli_mask` and :func:`skip_update` (SkipUpdate), :func:`alignment_mask`,
-:func:`magma` and :func:`adam_magma` (Magma) and :func:`damping` all do the same
-things to a parameter tree; this module does them, and a *rule* says only what
-happens to one leaf's blocks:
-
-1. **Plan** (:class:`MaskConfig`, validated once by :meth:`MaskConfig.create`): which
-   leaves are in scope (``where``), their labels and keep probabilities, their block
-   layout (``granularity``, ``stack_axes``) and the id of their key path.
-2. **Draw**: per block ``z ~ Bernoulli(p)`` with the key
-   ``fold_in(fold_in(key, step), crc32(keystr(path)))`` (:func:`leaf_key`), so a
-   draw depends only on (key, step, the leaf's path in the whole tree, block index),
-   never on the leaf's position, the mesh or the host.
-3. **Scale**: the rule returns a per-block f32 scale and its new per-leaf state;
-   the engine multiplies the update in float32 and keeps its dtype.
-4. **State**: one state layout for every rule -- ``count``, ``key``, ``mask`` (the
-   last ``z``), the rule's own fields, ``active_fraction`` and
-   ``active_fraction_by_label`` -- as the rule's public ``NamedTuple`` type. Each
-   rule field is declared either *per block* (shape ``layout.block_shape``) or *per
-   parameter* (the leaf's shape); unscoped leaves hold ``optax.MaskedNode``.
-5. **Stats**: the active fractions of the drawn masks, overall and per label, and
-   :func:`is_mask_state` for :func:`magma_optax.mask_stats`.
-6. **``optax.tree.map_params``**: per-parameter fields are trees like the params, so
-   a map reaches them; per-block fields and the mask are not parameters, and for
-   optax's leafless placeholder tree they are a scalar (a prefix of any real tree),
-   so a map never casts or reshards block scores as if they were weights.
-7. **Declared layouts**: every scoped leaf's block layout is declared while a
-   :func:`declared_layouts` context is open, so :func:`magma_optax.sharding
-   .state_shardings` gives each per-block array the parameter's partition spec on
-   exactly the axes that index blocks (:attr:`BlockLayout.param_axes`), instead of
-   guessing from shapes.
-
-How a rule plugs in
--------------------
-
-A rule is a :class:`Rule` subclass in its own module: a state type, the names of its
-fields, and two per-leaf functions. A rule that clips each block's update norm to 1,
-with no state and no random draw, is the whole of::
-
-    class ClipRule(_engine.Rule):
-      draws = False
-
-      def scale(self, leaf):
-        norm = jnp.sqrt(leaf.plan.layout.block_sum(jnp.square(leaf.update)))
-        return jnp.minimum(1.0, 1.0 / norm), {}
-
-    def clip_blocks(*, granularity="tensor", where=None):
-      config = _engine.MaskConfig.create(granularity=granularity, where=where)
-      return _engine.BlockMask(config, ClipRule()).transformation()
-
-A stateful rule sets ``state_type`` (a ``NamedTuple`` with the engine's five fields
-and its own), lists its fields in ``block_fields`` / ``param_fields``, and returns
-their first values from :meth:`Rule.init_leaf`; :meth:`Rule.scale` gets them back
-in ``leaf.state`` and returns the new ones. Nothing else changes: ``mask_stats``,
-sharding, ``map_params``, the draws and the checks come from the engine.
-
-A rule that needs to look at the whole tree before it scales any leaf (Magma
-recomputes, in one branch for the tree, the block sums that overflowed) splits its
-work in two: :meth:`Rule.measure` computes a leaf's statistics, :meth:`Rule.settle`
-sees every scoped leaf's at once, and :meth:`Rule.scale` finds its leaf's settled
-statistics in ``leaf.measured``. Both default to nothing.
+A :class:`BlockMask` pairs a validated :class:`MaskConfig` (scope, labels, keep
+probabilities, granularity) with a :class:`Rule` (what happens to one leaf's
+blocks): it plans the leaves, draws ``z ~ Bernoulli(p)`` per block from (key, step,
+leaf path, block index), scales the update, and keeps one state layout for every
+rule, whose ``block_axes`` field declares its per-block arrays for sharding. How a
+new rule plugs in: ``docs/design/internals.md``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator
-from collections.abc import Sequence
 from typing import Any
 from typing import ClassVar
 from typing import NamedTuple
@@ -80,6 +23,7 @@ from magma_optax._core import blocks as _blocks
 from magma_optax._core import schedules as _schedules
 from magma_optax._core import scoping as _scoping
 from magma_optax._core import shard_map as _shard_map
+from magma_optax._core import trees as _trees
 
 KeyLike = Any  # int, a typed key from jax.random.key, or legacy uint32[2] key data
 
@@ -129,8 +73,7 @@ def draw_block_masks(
   shape are drawn in one vmapped call: the same bits as one
   ``bernoulli(leaf_key(key, count, path_id), p, block_shape)`` per leaf (JAX's random
   functions commute with ``vmap``), in one random-bits computation instead of one
-  per leaf. On a 144-leaf model on CPU that took ``skip_update(adam)`` from 1.24x to
-  1.08x ``optax.adam``.
+  per leaf (a launch each on XLA:CPU).
   """
   masks: list[Any] = [optax.MaskedNode()] * len(plans)
   groups: dict[tuple[int, ...], list[int]] = {}
@@ -182,44 +125,6 @@ def active_fractions(
   }
   overall = sum(kept.values(), jnp.zeros([], jnp.float32)) / max(sum(total.values()), 1)
   return jnp.asarray(overall, jnp.float32), by_label
-
-
-# --- declared per-block layouts (read by magma_optax.sharding) ----------------------
-
-_DECLARED: list[dict[tuple[str, tuple[int, ...]], set[tuple[int, ...]]]] = []
-
-
-@contextlib.contextmanager
-def declared_layouts() -> Iterator[dict[tuple[str, tuple[int, ...]], set]]:
-  """Collects the per-block layouts that ``init`` calls declare while it is open.
-
-  Yields a dict ``(keystr(path), block_shape) -> {param_axes, ...}``: for every
-  scoped leaf of every engine transform initialised inside the block, the leaf
-  axes that its per-block arrays index (:attr:`BlockLayout.param_axes`).
-  """
-  record: dict[tuple[str, tuple[int, ...]], set] = {}
-  _DECLARED.append(record)
-  try:
-    yield record
-  finally:
-    _DECLARED.remove(record)
-
-
-def declare(plans: list[_scoping.LeafPlan]) -> None:
-  """Declares the block layouts of ``plans`` to the open contexts (cheap if none)."""
-  for plan in plans:
-    if plan.layout is not None:
-      declare_axes(plan.path, plan.layout.block_shape, plan.layout.param_axes)
-
-
-def declare_axes(
-  path: str, shape: Sequence[int], param_axes: tuple[int | None, ...]
-) -> None:
-  """Declares that the state arrays of shape ``shape`` at the parameter ``path``
-  (its ``keystr``) index the parameter axes ``param_axes`` (one per array axis;
-  ``None``: an axis of no parameter axis, replicated) to the open contexts."""
-  for record in _DECLARED:
-    record.setdefault((path, tuple(shape)), set()).add(tuple(param_axes))
 
 
 # --- configuration --------------------------------------------------------------------
@@ -285,12 +190,11 @@ class MaskConfig:
 
 # --- rules ----------------------------------------------------------------------------
 
-STATE_TYPES: list[type] = []
-
 
 def is_mask_state(x: Any) -> bool:
-  """Whether ``x`` is the state of an engine transform (any rule)."""
-  return isinstance(x, tuple(STATE_TYPES))
+  """Whether ``x`` is the state of an engine transform (any rule): a state that
+  declares its per-block arrays in a ``block_axes`` field."""
+  return isinstance(getattr(x, "block_axes", None), _blocks.DeclaredAxes)
 
 
 class LeafStep(NamedTuple):
@@ -338,11 +242,6 @@ class Rule:
   block_fields: ClassVar[tuple[str, ...]] = ()
   param_fields: ClassVar[tuple[str, ...]] = ()
   draws: ClassVar[bool] = True
-
-  def __init_subclass__(cls, **kwargs):
-    super().__init_subclass__(**kwargs)
-    if cls.state_type is not None and cls.state_type not in STATE_TYPES:
-      STATE_TYPES.append(cls.state_type)
 
   def init_leaf(
     self, plan: _scoping.LeafPlan, param: Any, momentum: Any
@@ -395,7 +294,6 @@ class BlockMask:
   def init(self, params: Any, momentum: list[Any] | None = None) -> Any:
     """The state for ``params``; ``momentum``: per leaf the base's buffer or None."""
     plans, treedef = self.config.plan(params)
-    declare(plans)
     if not self.stateful:
       return optax.EmptyState()
     leaves = treedef.flatten_up_to(params)
@@ -413,7 +311,7 @@ class BlockMask:
         if plan.layout is None
         else jnp.ones(plan.layout.block_shape, jnp.bool_)
       )
-    return self._state(
+    return self.state(
       treedef,
       plans,
       count=jnp.zeros([], jnp.int32),
@@ -424,7 +322,9 @@ class BlockMask:
       fields=fields,
     )
 
-  def _state(self, treedef, plans, *, count, key, masks, fields) -> Any:
+  def state(self, treedef, plans, *, count, key, masks, fields) -> Any:
+    """The rule's state from per-leaf lists: ``masks`` (the draws) and ``fields``
+    (name -> per leaf the rule field's entry, ``MaskedNode`` where unscoped)."""
     overall, by_label = active_fractions(plans, masks)
     trees = {
       name: block_tree(treedef, values, name in self.rule.param_fields, jnp.float32)
@@ -436,6 +336,13 @@ class BlockMask:
       mask=block_tree(treedef, masks, False, jnp.bool_),
       active_fraction=overall,
       active_fraction_by_label=by_label,
+      block_axes=(
+        jnp.zeros([], jnp.int32)  # optax.tree.map_params keeps the real one
+        if _trees.is_placeholder(treedef)
+        else _blocks.DeclaredAxes.of_layouts(
+          [(p.path, p.layout) for p in plans if p.layout is not None]
+        )
+      ),
       **trees,
     )
 
@@ -519,7 +426,7 @@ class BlockMask:
         values.append(new.get(name, optax.MaskedNode()))
     if not self.stateful:
       return treedef.unflatten(out), state
-    new_state = self._state(
+    new_state = self.state(
       treedef,
       plans,
       count=optax.safe_increment(state.count),

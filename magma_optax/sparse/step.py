@@ -215,6 +215,7 @@ import numpy as np
 import optax
 
 from magma_optax._core import arguments as _arguments
+from magma_optax._core import blocks as _blocks
 from magma_optax._core import compat as _compat
 from magma_optax._core import geometry as _geometry
 from magma_optax._core import mask_bounds as _mask_bounds
@@ -226,7 +227,6 @@ from magma_optax._core import xla_cpu as _xla_cpu
 from magma_optax.kernels import dispatch
 from magma_optax.kernels import reference
 from magma_optax.kernels.tiles import api as tiles
-from magma_optax.masking import engine as _engine
 from magma_optax.sparse import freeze as _freeze
 
 MODES = ("skip", "compact", "offload")
@@ -278,6 +278,7 @@ class SparseState(NamedTuple):
   inactive_steps: Any
   cold: Any
   errors: Any = optax.MaskedNode()
+  storage: Any = _blocks.DeclaredAxes()
 
 
 class _Groups(NamedTuple):
@@ -2134,11 +2135,12 @@ def _transformation(
       if problem is not None:
         raise ValueError(problem)
     stored = [s.init_leaf(x) for s, x in zip(storages, flat, strict=True)]
+    declared = []
     for s, x in zip(storages, flat, strict=True):
       if isinstance(s, _ShardedTiles):  # the parts are the parameter's shards
         axes = s.param_axes(jnp.ndim(x))
-        _engine.declare_axes(s.name, s.stored_shape, (*axes, None, None, None))
-        _engine.declare_axes(s.name, s.init_bits().shape, (*axes, None))
+        declared.append((s.name, s.stored_shape, (*axes, None, None, None)))
+        declared.append((s.name, s.init_bits().shape, (*axes, None)))
     steps = [
       jnp.zeros([], jnp.int32) if s.tracks_cold else optax.MaskedNode()
       for s in storages
@@ -2166,6 +2168,7 @@ def _transformation(
       errors=(
         jnp.zeros((1 + _ERROR_VALUES,), jnp.int32) if record else optax.MaskedNode()
       ),
+      storage=_blocks.DeclaredAxes(tuple(declared)),
     )
 
   def leaf_masks(param_mask, storages, treedef, flat):
@@ -2562,6 +2565,7 @@ def _transformation(
       inactive_steps=treedef.unflatten(new_steps),
       cold=treedef.unflatten(new_cold),
       errors=_record(checks, state.errors) if record else state.errors,
+      storage=state.storage,
     )
 
   return optax.GradientTransformationExtraArgs(

@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import magma_optax as magma
+from magma_optax._core import blocks as _blocks
 from magma_optax.masking import engine as _engine
 
 
@@ -23,6 +24,7 @@ class CountingState(NamedTuple):
   kept_steps: Any  # per block: how often the block was kept
   active_fraction: jax.Array
   active_fraction_by_label: Any
+  block_axes: Any = _blocks.DeclaredAxes()  # what the state declares for sharding
 
 
 @dataclasses.dataclass(frozen=True)
