@@ -83,7 +83,7 @@ import jax.numpy as jnp
 import optax
 
 import magma_optax as magma
-from magma_optax.sparse.step import _active_indices as active_indices
+from magma_optax.sparse.indices import active_indices
 
 
 def make_params(width: int, layers: int) -> dict:

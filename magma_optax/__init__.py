@@ -29,12 +29,12 @@ from magma_optax.pruning.periodic import PeriodicMaskState
 from magma_optax.pruning.periodic import periodic_mask
 from magma_optax.pruning.schedules import linear_sparsity_schedule
 from magma_optax.pruning.schedules import polynomial_sparsity_schedule
-from magma_optax.sparse.step import SparseState
-from magma_optax.sparse.step import check_sparse_state
-from magma_optax.sparse.step import host_offload_available
-from magma_optax.sparse.step import offload_sparse_state
-from magma_optax.sparse.step import sparse_adam
-from magma_optax.sparse.step import sparse_state
+from magma_optax.sparse.adam import sparse_adam
+from magma_optax.sparse.errors import check_sparse_state
+from magma_optax.sparse.offload import host_offload_available
+from magma_optax.sparse.offload import offload_sparse_state
+from magma_optax.sparse.state import SparseState
+from magma_optax.sparse.state import sparse_state
 
 __version__ = "0.1.0"
 

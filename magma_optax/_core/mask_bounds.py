@@ -1,23 +1,31 @@
 """What :func:`magma_optax.periodic_mask` tells the transform inside it about the
-masks it will pass (:class:`MaskBound`).
+masks it will pass: a :class:`MaskBound` per leaf.
+
+At ``update`` the wrapper promises the bounds of the very mask arrays it passes, in
+the extra argument ``mask_promises`` (:class:`MaskPromises`). ``init(params)``
+cannot carry anything but the parameters, so there the direction is reversed: the
+wrapper reads its inner state's receivers (:class:`Receiver`, a static part of a
+state that says how each leaf is stored) and checks them (:func:`check_init`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
+import dataclasses
 import math
 from typing import Any
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
+
+from magma_optax._core import trees as _trees
 
 
 class MaskBound(NamedTuple):
   """The densest parameter mask a wrapper will hand one leaf, as far as its ``init``
-  knows: what :func:`magma_optax.sparse_state`'s ``init`` checks its compact
-  storage against, so that a mask that certainly cannot be stored is a
-  ``ValueError`` at ``init`` instead of a failed step.
+  knows: what the compact storage of :func:`magma_optax.sparse_state` is checked
+  against at ``init`` (:func:`check_init`), so that a mask that certainly cannot be
+  stored is a ``ValueError`` at ``init`` instead of a failed step.
 
   Attributes:
     shape: the leaf's shape (a bound for another leaf of the same path is ignored).
@@ -38,8 +46,8 @@ class MaskBound(NamedTuple):
       by construction -- at most ``entries`` (``tiles``) active, made of whole
       ``block`` tiles or ``structure`` groups -- not only the first refresh's
       (:func:`magma_optax.periodic_mask` ranking per leaf with a Python number for
-      ``sparsity``: its counts never grow). Given at ``update``
-      (:func:`mask_promises`), it lets :func:`magma_optax.sparse_state` compile
+      ``sparsity``: its counts never grow). Promised at ``update``
+      (:class:`MaskPromises`), it lets :func:`magma_optax.sparse_state` compile
       no host callback for a check the leaf's masks cannot fail.
   """
 
@@ -60,59 +68,61 @@ class MaskBound(NamedTuple):
     return self.exact and self.entries == math.prod(self.shape)
 
 
-# The bounds of the masks that a wrapper's init is about to hand its inner transform,
-# by leaf key path (jax.tree_util.keystr) and leaf object (its id: the same object
-# under the same path is the same leaf). optax's init takes the params only, so the
-# wrapper sets them around its inner init (:func:`mask_bounds`); nothing else reads
-# or writes them, and they are gone when that init returns.
-_MASK_BOUNDS: contextvars.ContextVar[dict[str, MaskBound] | None] = (
-  contextvars.ContextVar("magma_optax_mask_bounds", default=None)
-)
+@dataclasses.dataclass(frozen=True, eq=False)
+class MaskPromises:
+  """The extra argument ``mask_promises``: bounds that hold for *every* value of
+  the very mask arrays passed as ``param_mask`` (a wrapper in between that makes
+  new masks loses the promise, and its masks are checked as any others).
 
+  ``pairs``: ``(mask array, bound)``; the wrapper keeps the arrays alive while its
+  inner update runs, so identity is meaningful. Not a pytree: a leaf to JAX.
+  """
 
-@contextlib.contextmanager
-def _setting(var: contextvars.ContextVar, value: Any):
-  token = var.set(value)
-  try:
-    yield
-  finally:
-    var.reset(token)
+  pairs: tuple[tuple[Any, MaskBound], ...] = ()
 
-
-def mask_bounds(bounds: dict[tuple[str, int], MaskBound]):
-  """Makes ``bounds`` (by key path and ``id`` of the leaf) what :func:`mask_bound`
-  returns inside."""
-  return _setting(_MASK_BOUNDS, bounds)
-
-
-# What a wrapper's update promises of the masks it hands its inner update, by the
-# mask leaf's id (the very array passed as ``param_mask``: a wrapper in between that
-# makes new masks loses the promise, and its masks are checked as any others).
-_MASK_PROMISES: contextvars.ContextVar[dict[int, MaskBound] | None] = (
-  contextvars.ContextVar("magma_optax_mask_promises", default=None)
-)
-
-
-def mask_promises(promises: dict[int, MaskBound]):
-  """Makes ``promises`` (bounds with ``always``, by ``id`` of the mask leaf) what
-  :func:`mask_promise` returns inside."""
-  return _setting(_MASK_PROMISES, promises)
-
-
-def mask_promise(mask: Any) -> MaskBound | None:
-  """The bound that an enclosing :func:`mask_promises` promises of every value of
-  the mask leaf ``mask`` (this object, of the bound's shape), or ``None``."""
-  bound = (_MASK_PROMISES.get() or {}).get(id(mask))
-  if bound is None or not bound.always or bound.shape != tuple(jnp.shape(mask)):
+  def bound_of(self, mask: Any) -> MaskBound | None:
+    """The bound promised of this very mask leaf (of the bound's shape), or
+    ``None``."""
+    for m, bound in self.pairs:
+      if m is mask and bound.always and bound.shape == tuple(jnp.shape(mask)):
+        return bound
     return None
-  return bound
 
 
-def mask_bound(name: str, leaf: Any) -> MaskBound | None:
-  """The bound set by an enclosing :func:`mask_bounds` for ``leaf`` at key path
-  ``name``, or ``None``. Both must match: optax's wrappers hand their inner
-  transform the same leaf objects at the same paths (``optax.masked`` replaces
-  others by ``MaskedNode``), and a wrapper that hands it a subtree or new arrays
-  gets no bound (nothing is checked at init)."""
-  bound = (_MASK_BOUNDS.get() or {}).get((name, id(leaf)))
-  return bound if bound is not None and bound.shape == tuple(jnp.shape(leaf)) else None
+class Receiver:
+  """A static node of a state that receives the bounds announced at ``init``:
+  ``treedef`` is the structure of the parameters its transform was given, and
+  :meth:`bound_problem` says why a leaf's masks certainly fail."""
+
+  treedef: Any
+
+  def bound_problem(self, i: int, bound: MaskBound) -> str | None:
+    """Why leaf ``i``'s masks, within ``bound``, certainly cannot be used, or
+    ``None`` (also where that depends on their values)."""
+    raise NotImplementedError
+
+
+def check_init(inner_state: Any, params_def: Any, bounds: list[MaskBound | None]):
+  """Raises the first problem that a :class:`Receiver` in ``inner_state`` (the state
+  a wrapper's inner ``init`` returned) finds with ``bounds`` (per leaf of the
+  wrapper's parameters, structured as ``params_def``).
+
+  A receiver's leaves are matched to the wrapper's by tree structure
+  (:func:`magma_optax._core.trees.split_like`: ``optax.MaskedNode`` may stand for
+  any subtree, as ``optax.masked`` leaves it): a receiver given another tree (a
+  wrapper in between that hands on a subtree) gets no bound.
+  """
+  is_receiver = lambda x: isinstance(x, Receiver)  # noqa: E731
+  for node in jax.tree.leaves(inner_state, is_leaf=is_receiver):
+    if not is_receiver(node) or node.treedef is None:
+      continue
+    index = node.treedef.unflatten(list(range(node.treedef.num_leaves)))
+    matched = _trees.split_like(index, params_def)
+    if matched is None:
+      continue
+    for bound, i in zip(bounds, matched, strict=True):
+      if bound is None or _trees.is_masked(i):
+        continue
+      problem = node.bound_problem(i, bound)
+      if problem is not None:
+        raise ValueError(f"{problem} Found at init, before any step: {bound.why}.")

@@ -1,47 +1,17 @@
 """Periodic parameter masks (CAST-style pruning), kept pure: no post-step hook.
 
-A *parameter mask* says which weights exist; an update mask (``bernoulli_mask``,
-``alignment_mask``) says which updates land this step. :func:`periodic_mask` wraps an
-inner optimizer and, every ``every`` steps between ``start`` and ``end``, recomputes a
-boolean mask per parameter leaf: importance scores (:mod:`magma_optax._importance`;
-default ``|W| * |g|``), then an exact top-k per leaf or over all scoped leaves, or N:M
-groups (:mod:`magma_optax._topk`), at a target sparsity that may ramp
-(:mod:`magma_optax._sparsity`). At target sparsity ``s`` a leaf of ``n`` entries
-keeps ``n - round(s * n)`` of them (``ranking="global"``: the same count over all
-scoped entries together); ties go to the higher score, then to entries active in the
-current mask, then to the lower flat index. With ``block=(r, c)`` the same holds for
-whole ``r x c`` tiles of the last two axes, ranked by their summed importance.
-
-Purity: the wrapper emits ``u = where(mask, u_inner, -p)`` so that
-``optax.apply_updates(p, u) == mask * (p + u_inner)`` *exactly* (``p + (-p)`` is an
-exact zero in floating point). Pruned weights are zero after every step without a
-post-step hook, unlike jaxpruner. The refresh is traced, conditional on the count (a
-``lax.while_loop`` of zero or one iteration, which updates masks and moments in place
-where a ``lax.cond`` would copy them every step): one compiled step serves refresh and
-ordinary steps, and ordinary steps only pay for a predicate and a ``where``.
-
-Regrowth: entries active in the new mask but not in the old one get their inner
-moments reset to zero. Moments are found by name (``mu``, ``nu``, ``trace`` by default)
-with ``optax.tree_utils.tree_get_all_with_path`` and accepted when their tree is
-parameter-like (:func:`magma_optax._trees.split_like`) and the entry has the
-parameter's shape; compact storage from :func:`magma_optax.sparse_state` resets itself.
-
-The new mask is handed to the inner transform as the extra argument ``param_mask=``
-(a pytree like the params: bool arrays, ``optax.MaskedNode`` for unscoped leaves), so
-:func:`magma_optax.sparse_state` and :func:`magma_optax.masked_weight_decay` inside it
-see it, and it is stored in :class:`PeriodicMaskState` for the model's forward pass
-(straight-through: the model computes with ``W * mask``; read it with
-``optax.tree_utils.tree_get(opt_state, "PeriodicMaskState").mask``).
-
-Decisions: the mask starts all-active, and nothing is pruned before the first refresh
-at ``count == start``; the refresh uses the params and the incoming updates (the
-gradients when the wrapper is outermost) of that step; the inner optimizer sees the
-incoming updates unmasked (a model that multiplies by the mask already gives zero
-gradients for pruned weights); zero-size leaves are scoped but have nothing to rank.
+:func:`periodic_mask` wraps an inner optimizer and, every ``every`` steps between
+``start`` and ``end``, recomputes a boolean mask per leaf from importance scores by
+an exact top-k (per leaf, over all leaves, per shard part, or N:M groups; whole
+tiles with ``block=``), resets the inner moments of regrown entries, and hands the
+mask to the inner transform as ``param_mask=``. Its update emits ``where(mask, u,
+-p)`` so that pruned weights are exactly zero after every step. What it promises the
+inner storage: :mod:`magma_optax._core.mask_bounds`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import numbers
@@ -52,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from magma_optax._core import arguments as _arguments
 from magma_optax._core import compat as _compat
 from magma_optax._core import geometry as _geometry
 from magma_optax._core import mask_bounds as _mask_bounds
@@ -97,8 +68,8 @@ class PeriodicMaskState(NamedTuple):
 
 
 # At most this many parameters are ranked in one stack: their stacked scores and
-# old and new masks (at most 6 MB) are the refresh's only extra memory, and a leaf
-# this large costs far more than its share of a step's launch.
+# old and new masks are the refresh's only extra memory, and a leaf this large
+# costs far more than its share of a step's launch.
 _STACKED = 2**20
 
 
@@ -112,7 +83,7 @@ def reset_moments(
   """Restarts the entries ``reset[i]`` (bool, leaf-shaped, or None) of named moments.
 
   Fields called one of ``names`` are found with ``optax.tree_utils``; a field is
-  changed only where its tree is like ``treedef`` (:func:`magma_optax._trees.
+  changed only where its tree is like ``treedef`` (:func:`magma_optax._core.trees.
   split_like`: ``MaskedNode`` leaves and subtrees allowed), and there only in the
   entries that have the shape of ``reset[i]``. They take the value of the same field
   in ``initial`` (the inner transform's initial state: zero for Adam's moments,
@@ -262,193 +233,263 @@ def periodic_mask(
     Lee et al., jaxpruner, arXiv 2304.14082 (2023);
     Mishra et al., Accelerating Sparse Deep Neural Networks (2:4), arXiv 2104.08378.
   """
-  # Python ints: they shape the traced step. optax.inject_hyperparams turns numeric
-  # arguments, defaults included, into arrays, hence the hint.
-  hint = (
-    " (With optax.inject_hyperparams, pass static_args=('every', 'start', 'end',"
-    " 'axis'), plus 'importance' and 'where' where those are callables: it takes"
-    " any callable argument for a schedule.)"
+  pruning = _arguments.from_arguments(_Pruning.create, locals())
+  return optax.GradientTransformationExtraArgs(
+    *_shard_map.typed(pruning.init, pruning.update)
   )
-  if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-    raise ValueError(f"every must be an int >= 1; got {every!r}.{hint}")
-  if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-    raise ValueError(f"start must be an int >= 0; got {start!r}.{hint}")
-  if end is not None and (
-    isinstance(end, bool) or not isinstance(end, int) or end < start
-  ):
-    raise ValueError(f"end must be None or an int >= start={start}; got {end!r}.{hint}")
-  importance = _importance.validate(importance)
-  if ranking not in RANKINGS:
-    raise ValueError(f"ranking must be one of {RANKINGS}; got {ranking!r}.")
-  schedule = _sparsity.validate_ramp(schedule)
-  if isinstance(axis, bool) or not isinstance(axis, int):
-    raise ValueError(f"axis must be an int; got {axis!r}.{hint}")
-  if block is not None:
-    block = _geometry.validate_block(block)
-    if structure is not None:
-      raise ValueError(
-        f"give structure (N:M groups) or block (tiles), not both; got"
-        f" structure={structure!r}, block={block!r}."
-      )
-  shards = _geometry.validate_shards(shards, block, "periodic_mask")
-  if shards is not None and ranking != "per_leaf":
-    raise ValueError(
-      f"shards= balances each leaf's tiles over its shards, which needs"
-      f" ranking='per_leaf'; got ranking={ranking!r}."
-    )
-  if structure is not None:
-    structure = _geometry.validate_nm_structure(structure)
-    if sparsity is not None and not _schedules.is_schedule(sparsity):
-      implied = 1.0 - structure[0] / structure[1]
-      if abs(float(sparsity) - implied) > 1e-6:
-        raise ValueError(
-          f"sparsity={sparsity} contradicts structure={structure} (which implies"
-          f" sparsity {implied}); leave sparsity=None with structure."
-        )
-    elif sparsity is not None or schedule != "constant":
-      raise ValueError(
-        "structure=(n, m) fixes the sparsity at 1 - n/m; it takes no sparsity schedule."
-      )
-    sparsity = 1.0 - structure[0] / structure[1]
-  if sparsity is None:
-    raise ValueError("sparsity is required (a float in [0, 1) or a schedule).")
-  sparsity = _sparsity.check_sparsity("sparsity", sparsity)
-  # The target the per-part rounding check needs at init (a traced value, as
-  # under optax.inject_hyperparams, is only known in the step).
-  final = (
-    None
-    if _schedules.is_schedule(sparsity) or _compat.is_tracer(sparsity)
-    else float(sparsity)
-  )
-  sparsity = _sparsity.ramp(schedule, sparsity, start=start, end=end)
-  inner = optax.with_extra_args_support(inner)
 
-  def plan(tree):
-    plans, treedef = _scoping.plan_scope(tree, where=where)
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Pruning:
+  """:func:`periodic_mask`'s validated arguments, and its phases: the plan, the
+  bounds it tells its inner transform, the refreshed masks, init and update."""
+
+  inner: Any
+  sparsity: Any  # a schedule of the count (the ramp, if any, folded in)
+  every: int
+  importance: Any
+  structure: tuple[int, int] | None
+  block: tuple[int, int] | None
+  shards: Any
+  schedule: str
+  start: int
+  end: int | None
+  where: Any
+  ranking: str
+  axis: int
+  moment_names: tuple[str, ...]
+  final: float | None  # the target the per-part rounding check needs at init
+
+  @classmethod
+  def create(
+    cls,
+    *,
+    inner,
+    sparsity,
+    every,
+    importance,
+    structure,
+    block,
+    shards,
+    schedule,
+    start,
+    end,
+    where,
+    ranking,
+    axis,
+    moment_names,
+  ) -> _Pruning:
+    """Checks every argument (``ValueError`` naming it)."""
+    # Python ints: they shape the traced step. optax.inject_hyperparams turns numeric
+    # arguments, defaults included, into arrays, hence the hint.
+    hint = (
+      " (With optax.inject_hyperparams, pass static_args=('every', 'start', 'end',"
+      " 'axis'), plus 'importance' and 'where' where those are callables: it takes"
+      " any callable argument for a schedule.)"
+    )
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+      raise ValueError(f"every must be an int >= 1; got {every!r}.{hint}")
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+      raise ValueError(f"start must be an int >= 0; got {start!r}.{hint}")
+    if end is not None and (
+      isinstance(end, bool) or not isinstance(end, int) or end < start
+    ):
+      raise ValueError(
+        f"end must be None or an int >= start={start}; got {end!r}.{hint}"
+      )
+    importance = _importance.validate(importance)
+    if ranking not in RANKINGS:
+      raise ValueError(f"ranking must be one of {RANKINGS}; got {ranking!r}.")
+    schedule = _sparsity.validate_ramp(schedule)
+    if isinstance(axis, bool) or not isinstance(axis, int):
+      raise ValueError(f"axis must be an int; got {axis!r}.{hint}")
+    if block is not None:
+      block = _geometry.validate_block(block)
+      if structure is not None:
+        raise ValueError(
+          f"give structure (N:M groups) or block (tiles), not both; got"
+          f" structure={structure!r}, block={block!r}."
+        )
+    shards = _geometry.validate_shards(shards, block, "periodic_mask")
+    if shards is not None and ranking != "per_leaf":
+      raise ValueError(
+        f"shards= balances each leaf's tiles over its shards, which needs"
+        f" ranking='per_leaf'; got ranking={ranking!r}."
+      )
+    if structure is not None:
+      structure = _geometry.validate_nm_structure(structure)
+      if sparsity is not None and not _schedules.is_schedule(sparsity):
+        implied = 1.0 - structure[0] / structure[1]
+        if abs(float(sparsity) - implied) > 1e-6:
+          raise ValueError(
+            f"sparsity={sparsity} contradicts structure={structure} (which implies"
+            f" sparsity {implied}); leave sparsity=None with structure."
+          )
+      elif sparsity is not None or schedule != "constant":
+        raise ValueError(
+          "structure=(n, m) fixes the sparsity at 1 - n/m; it takes no sparsity"
+          " schedule."
+        )
+      sparsity = 1.0 - structure[0] / structure[1]
+    if sparsity is None:
+      raise ValueError("sparsity is required (a float in [0, 1) or a schedule).")
+    sparsity = _sparsity.check_sparsity("sparsity", sparsity)
+    # The target the per-part rounding check needs at init (a traced value, as
+    # under optax.inject_hyperparams, is only known in the step).
+    final = (
+      None
+      if _schedules.is_schedule(sparsity) or _compat.is_tracer(sparsity)
+      else float(sparsity)
+    )
+    sparsity = _sparsity.ramp(schedule, sparsity, start=start, end=end)
+    inner = optax.with_extra_args_support(inner)
+    return cls(
+      inner, sparsity, every, importance, structure, block, shards, schedule, start,
+      end, where, ranking, axis, moment_names, final,
+    )  # fmt: skip
+
+  def plan(self, tree):
+    plans, treedef = _scoping.plan_scope(tree, where=self.where)
     return plans, treedef
 
-  def parts_of(plans, tree):
+  def parts_of(self, plans, tree):
     """Per leaf, the parts its tiles are ranked in (counts for its last axes), or
     ``None`` (also for zero-size leaves, which have nothing to rank)."""
     paths_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     return [
       None
-      if p.layout is None or block is None or math.prod(jnp.shape(x)) == 0
-      else _geometry.leaf_shards(shards, path, x, block, jax.tree_util.keystr(path))
+      if p.layout is None or self.block is None or math.prod(jnp.shape(x)) == 0
+      else _geometry.leaf_shards(
+        self.shards, path, x, self.block, jax.tree_util.keystr(path)
+      )
       for p, (path, x) in zip(plans, paths_leaves, strict=True)
     ]
 
-  def check_structure(plans, params):
+  def check_structure(self, plans, params):
     paths_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     for p, (path, x) in zip(plans, paths_leaves, strict=True):
-      if p.layout is not None and block is not None:
-        _geometry.check_tiles(jnp.shape(x), block, jax.tree_util.keystr(path))
-    for parts, (path, x) in zip(parts_of(plans, params), paths_leaves, strict=True):
+      if p.layout is not None and self.block is not None:
+        _geometry.check_tiles(jnp.shape(x), self.block, jax.tree_util.keystr(path))
+    for parts, (path, x) in zip(
+      self.parts_of(plans, params), paths_leaves, strict=True
+    ):
       if parts is None:
         continue
       name = jax.tree_util.keystr(path)
       _geometry.check_parts_on_devices(x, parts, "periodic_mask", name)
-      if final is not None:
-        check_parts_keep(parts, jnp.shape(x), name)
-    if structure is None:
+      if self.final is not None:
+        self.check_parts_keep(parts, jnp.shape(x), name)
+    if self.structure is None:
       return
-    m = structure[1]
+    m = self.structure[1]
     for p, (_, x) in zip(plans, paths_leaves, strict=True):
       if p.layout is None:
         continue
       shape = jnp.shape(x)
-      if not shape or not -len(shape) <= axis < len(shape) or shape[axis] % m:
+      if not shape or not -len(shape) <= self.axis < len(shape) or shape[self.axis] % m:
         raise ValueError(
-          f"structure={structure} needs axis {axis} of every pruned leaf to be a"
-          f" multiple of {m}; leaf {p.index} has shape {shape}. Scope it out with"
+          f"structure={self.structure} needs axis {self.axis} of every pruned leaf"
+          f" to be a multiple of {m}; leaf {p.index} has shape {shape}. Scope it"
+          " out with"
           " `where` or choose another axis."
         )
 
-  def check_parts_keep(parts, shape, name):
+  def check_parts_keep(self, parts, shape, name):
     # The top-k of a part rounds the target on its T_p tiles: where that keeps no
     # tile while the leaf's top-k would keep some, the layer would be pruned whole.
-    tiles = _geometry.num_tiles(shape, block)
+    tiles = _geometry.num_tiles(shape, self.block)
     per_part = tiles // math.prod(parts)
-    keep = functools.partial(_topk.num_keep_host, final)
+    keep = functools.partial(_topk.num_keep_host, self.final)
     if keep(per_part) == 0 < keep(tiles):
       raise ValueError(
         f"periodic_mask: shards={parts} splits the {tiles} tiles of leaf {name} into"
-        f" parts of {per_part}, and sparsity={final} keeps none of a part's"
+        f" parts of {per_part}, and sparsity={self.final} keeps none of a part's"
         f" (round(s * {per_part}) pruned in each), so the whole leaf would be"
         f" pruned where one top-k would keep {keep(tiles)} tiles. Use fewer shards,"
         " smaller tiles or a lower sparsity, or scope the leaf out with `where`."
       )
 
-  def first_target():
+  def first_target(self):
     """The target sparsity of the first refresh (at ``start``), as a float, or
     ``None`` where it is not known at init (a traced hyperparameter)."""
     with jax.ensure_compile_time_eval():
-      s0 = _schedules.evaluate_fraction(sparsity, jnp.int32(start))
+      s0 = _schedules.evaluate_fraction(self.sparsity, jnp.int32(self.start))
     return None if _compat.is_tracer(s0) else float(s0)
 
-  def bounds_of(plans, params):
-    """Per leaf (by key path and leaf object), the densest mask this wrapper will
-    hand its inner transform, or that it hands none (:class:`magma_optax._topk.
-    MaskBound`): :func:`sparse_state`'s init checks its compact storage against
-    it. Leaves whose counts are traced get none."""
+  def bounds_of(self, plans, params):
+    """Per leaf, the densest mask this wrapper will hand its inner transform, or
+    that it hands none (:class:`magma_optax._core.mask_bounds.MaskBound`): the
+    compact storage of :func:`sparse_state` inside is checked against it at init.
+    Leaves whose counts are traced get none (``None``)."""
     paths_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    bounds = {}
-    leaves = []  # (key path, shape, units a top-k ranks, their parts)
-    for p, (path, x), parts in zip(
-      plans, paths_leaves, parts_of(plans, params), strict=True
+    bounds = [None] * len(plans)
+    leaves = []  # (leaf index, shape, units a top-k ranks, their parts)
+    for j, (p, (_, x), parts) in enumerate(
+      zip(plans, paths_leaves, self.parts_of(plans, params), strict=True)
     ):
       shape = tuple(jnp.shape(x))
       if p.layout is None and hasattr(x, "shape"):  # it gets no mask
         what = "periodic_mask passes it no mask (its `where` does not prune it)"
-        key = (jax.tree_util.keystr(path), id(x))
-        bounds[key] = _mask_bounds.MaskBound(shape, what, None, masked=False)
+        bounds[j] = _mask_bounds.MaskBound(shape, what, None, masked=False)
       if p.layout is None or math.prod(shape) == 0:
         continue
-      units = math.prod(shape) if block is None else _geometry.num_tiles(shape, block)
-      leaves.append(((jax.tree_util.keystr(path), id(x)), shape, units, parts))
+      units = (
+        math.prod(shape)
+        if self.block is None
+        else _geometry.num_tiles(shape, self.block)
+      )
+      leaves.append((j, shape, units, parts))
     total = sum(units for _, _, units, _ in leaves)
-    s0 = 0.0 if start > 0 else first_target()
-    if start > 0:
+    s0 = 0.0 if self.start > 0 else self.first_target()
+    if self.start > 0:
       why = (
-        f"periodic_mask(start={start}) passes an all-active mask until its first"
-        f" refresh at step {start}"
+        f"periodic_mask(start={self.start}) passes an all-active mask until its first"
+        f" refresh at step {self.start}"
       )
     elif s0 is not None:
-      ramp = "" if schedule == "constant" else f" (its {schedule} ramp starts there)"
+      ramp = (
+        ""
+        if self.schedule == "constant"
+        else f" (its {self.schedule} ramp starts there)"
+      )
       why = (
-        f"periodic_mask's first refresh, at step {start}, targets sparsity"
+        f"periodic_mask's first refresh, at step {self.start}, targets sparsity"
         f" {s0:.4g}{ramp}"
       )
-    unit = "entries" if block is None else f"{block[0]}x{block[1]} tiles"
-    area = 1 if block is None else block[0] * block[1]
+    unit = "entries" if self.block is None else f"{self.block[0]}x{self.block[1]} tiles"
+    area = 1 if self.block is None else self.block[0] * self.block[1]
     # Every mask keeps at most the first refresh's count where the target is a
     # constant Python number ranked per leaf (all-active before `start`). A
     # schedule may lower it later (a ramp is one here: its first masks are
     # all-active, which compact storage does not hold); a global top-k shares out.
     always = (
-      ranking == "per_leaf"
-      and isinstance(sparsity, numbers.Real)
-      and not isinstance(sparsity, bool)
+      self.ranking == "per_leaf"
+      and isinstance(self.sparsity, numbers.Real)
+      and not isinstance(self.sparsity, bool)
     )
-    for name, shape, units, parts in leaves:
+    for j, shape, units, parts in leaves:
       size = math.prod(shape)
-      if structure is not None:
-        n, m = structure
-        nm = {"structure": structure, "axis": axis % len(shape), "always": True}
-        if start > 0:
-          bounds[name] = _mask_bounds.MaskBound(shape, why, size, **nm)
+      if self.structure is not None:
+        n, m = self.structure
+        nm = {
+          "structure": self.structure,
+          "axis": self.axis % len(shape),
+          "always": True,
+        }
+        if self.start > 0:
+          bounds[j] = _mask_bounds.MaskBound(shape, why, size, **nm)
         else:
-          what = f"periodic_mask(structure={structure}) keeps {n} of every {m}"
-          what += f" entries along axis {axis}"
-          bounds[name] = _mask_bounds.MaskBound(shape, what, size * n // m, **nm)
+          what = f"periodic_mask(structure={self.structure}) keeps {n} of every {m}"
+          what += f" entries along axis {self.axis}"
+          bounds[j] = _mask_bounds.MaskBound(shape, what, size * n // m, **nm)
         continue
       if s0 is None:  # traced: the counts are known in the step only
         continue
       n_parts = math.prod(parts or (1,))
-      if ranking == "per_leaf":
+      if self.ranking == "per_leaf":
         keep, exact = _topk.num_keep_host(s0, units // n_parts), True
         what = why
-        if start == 0:
+        if self.start == 0:
           what += f", which keeps {keep} of {units // n_parts} {unit}"
           what += "" if parts is None else " in each shard part"
       else:
@@ -462,17 +503,17 @@ def periodic_mask(
             f", which keeps {kept} of all {total} {unit} together: at least"
             f" {keep} of this leaf's {units}"
           )
-      tiles = None if block is None else keep
-      bounds[name] = _mask_bounds.MaskBound(
-        shape, what, keep * area * n_parts, exact, block, tiles, parts,
+      tiles = None if self.block is None else keep
+      bounds[j] = _mask_bounds.MaskBound(
+        shape, what, keep * area * n_parts, exact, self.block, tiles, parts,
         always=always and exact,
       )  # fmt: skip
     return bounds
 
-  def init_fn(params):
-    plans, treedef = plan(params)
+  def init(self, params):
+    plans, treedef = self.plan(params)
     leaves = treedef.flatten_up_to(params)
-    check_structure(plans, params)
+    self.check_structure(plans, params)
     # Sharded like the parameters on Explicit axes (the step gives them that type).
     masks = [
       optax.MaskedNode()
@@ -486,14 +527,17 @@ def periodic_mask(
       target_sparsity=jnp.zeros([], jnp.float32),
       sparsity=jnp.zeros([], jnp.float32),
       num_regrown=jnp.zeros([], jnp.int32),
-      inner_state=init_inner(plans, params),
+      inner_state=self.init_inner(plans, treedef, params),
     )
 
-  def init_inner(plans, params):
-    with _mask_bounds.mask_bounds(bounds_of(plans, params)):
-      return inner.init(params)
+  def init_inner(self, plans, treedef, params):
+    """The inner state, its compact storage checked against the masks this
+    wrapper will pass (a mask that certainly cannot be stored fails here)."""
+    inner_state = self.inner.init(params)
+    _mask_bounds.check_init(inner_state, treedef, self.bounds_of(plans, params))
+    return inner_state
 
-  def new_masks(plans, params, grads, old, target, parts):
+  def new_masks(self, plans, params, grads, old, target, parts):
     """The refreshed masks, and the numbers of regrown and of kept scoped entries.
 
     Whole leaves of one shape are ranked by one computation over their stack
@@ -511,31 +555,34 @@ def periodic_mask(
     # callable's scores are written out first: fused, XLA:CPU would add its last
     # product into the sum unrounded (an FMA) or skip a bfloat16 rounding, and
     # tiles of equal entry scores would not tie.
-    entry_scores = block is None or callable(importance)
+    entry_scores = self.block is None or callable(self.importance)
     scores = {
-      i: _importance.scores(importance, params[i], grads[i], entry_scores) for i in idx
+      i: _importance.scores(self.importance, params[i], grads[i], entry_scores)
+      for i in idx
     }
     active = {i: old[i] for i in idx}
-    if block is not None:  # rank tiles: their summed scores, active if any entry is
-      scores = {i: _topk.tile_sum(scores[i], block) for i in idx}
-      active = {i: _topk.tile_any(old[i], block) for i in idx}
+    if (
+      self.block is not None
+    ):  # rank tiles: their summed scores, active if any entry is
+      scores = {i: _topk.tile_sum(scores[i], self.block) for i in idx}
+      active = {i: _topk.tile_any(old[i], self.block) for i in idx}
 
     def ranked(s, a, k):
-      if structure is not None:
-        return _topk.n_m_mask(s, a, *structure, axis)
+      if self.structure is not None:
+        return _topk.n_m_mask(s, a, *self.structure, self.axis)
       return _top_k_mask(s, a, k)
 
     def stacked_row(s, o, k):  # one stacked leaf: its mask and counts
-      m = ranked(s, o if block is None else _topk.tile_any(o, block), k)
-      m = m if block is None else _topk.untile(m, block)
+      m = ranked(s, o if self.block is None else _topk.tile_any(o, self.block), k)
+      m = m if self.block is None else _topk.untile(m, self.block)
       return m, _count([m & ~o]), _count([m])
 
     out = list(old)
     alone = []  # ranked alone (as tiles if block=): untiled and counted below
     regrown = kept = jnp.zeros([], jnp.int32)
-    if structure is not None or ranking == "per_leaf":
+    if self.structure is not None or self.ranking == "per_leaf":
       # N:M groups never cross a leaf, so N:M leaves need no parts.
-      whole = [i for i in idx if structure is not None or parts[i] is None]
+      whole = [i for i in idx if self.structure is not None or parts[i] is None]
       for group in _trees.same_shape_groups(
         [old[i] for i in whole], _STACKED, also=[scores[i] for i in whole]
       ):
@@ -553,7 +600,7 @@ def periodic_mask(
         for i, (m, r, n) in zip(leaves, rows, strict=True):
           out[i] = m
           regrown, kept = regrown + r, kept + n
-    if structure is None and ranking == "per_leaf":
+    if self.structure is None and self.ranking == "per_leaf":
       for i in idx:
         if parts[i] is None:
           continue
@@ -568,7 +615,7 @@ def periodic_mask(
           per_part = jax.vmap(per_part, (0, 0, None))
         out[i] = _geometry.join_parts(_sharded.like_auto(per_part, s, s, a, k), n)
         alone.append(i)
-    elif structure is None and idx:
+    elif self.structure is None and idx:
       n = sum(scores[i].size for i in idx)
       keep = _top_k_masks(
         [scores[i] for i in idx], [active[i] for i in idx], _topk.num_keep(target, n)
@@ -576,14 +623,14 @@ def periodic_mask(
       for i, m in zip(idx, keep, strict=True):
         out[i] = m
       alone.extend(idx)
-    if block is not None:
+    if self.block is not None:
       for i in alone:
-        out[i] = _topk.untile(out[i], block)
+        out[i] = _topk.untile(out[i], self.block)
     regrown = regrown + _count([out[i] & ~old[i] for i in alone])
     kept = kept + _count([out[i] for i in alone])
     return out, regrown, kept
 
-  def update_fn(updates, state, params=None, **extra_args):
+  def update(self, updates, state, params=None, **extra_args):
     if params is None:
       raise ValueError(
         "periodic_mask needs the parameters: call update(updates, state, params)."
@@ -595,10 +642,10 @@ def periodic_mask(
         " its inner optimizer, so it takes none. Use one periodic_mask per"
         " parameter (group them with optax.multi_transform or where=)."
       )
-    plans, treedef = plan(updates)
+    plans, treedef = self.plan(updates)
     plans = _scoping.match_state(plans, state.mask, treedef)
     grads = treedef.flatten_up_to(updates)
-    parts = parts_of(plans, updates)
+    parts = self.parts_of(plans, updates)
     param_leaves = treedef.flatten_up_to(params)
     paths = jax.tree_util.tree_flatten_with_path(updates)[0]
     for i, p in enumerate(parts):
@@ -608,21 +655,23 @@ def periodic_mask(
           _geometry.check_parts_on_devices(x, p, "periodic_mask", name)
     old = treedef.flatten_up_to(state.mask)
     count = state.count
-    is_refresh = (count >= start) & ((count - start) % every == 0)
-    if end is not None:
-      is_refresh = is_refresh & (count <= end)
-    target = _schedules.evaluate_fraction(sparsity, count)
+    is_refresh = (count >= self.start) & ((count - self.start) % self.every == 0)
+    if self.end is not None:
+      is_refresh = is_refresh & (count <= self.end)
+    target = _schedules.evaluate_fraction(self.sparsity, count)
 
     scoped = [i for i, p in enumerate(plans) if p.layout is not None]
     total = sum(old[i].size for i in scoped)
 
-    # The refresh runs through _trees.run_if, not a cond: on other steps the masks and
+    # The refresh runs through _xla_cpu.run_if, not a cond: on other steps the masks and
     # the inner state pass through untouched, where a cond would copy every mask
     # on every step. The refresh also resets the moments of regrown entries, so
     # nothing after it reads the old masks.
     def refresh(carry):
       old_masks, inner_state, _, _, _ = carry
-      masks, num, kept = new_masks(plans, param_leaves, grads, old_masks, target, parts)
+      masks, num, kept = self.new_masks(
+        plans, param_leaves, grads, old_masks, target, parts
+      )
       kept = kept.astype(jnp.float32)
       regrown = [
         None if p.layout is None else masks[i] & ~old_masks[i]
@@ -632,7 +681,9 @@ def periodic_mask(
       # regrew (rare with the default |W|*|g|: pruned weights score 0).
       inner_state = _xla_cpu.run_if(
         num > 0,
-        lambda s: reset_moments(s, regrown, treedef, moment_names, inner.init(params)),
+        lambda s: reset_moments(
+          s, regrown, treedef, self.moment_names, self.inner.init(params)
+        ),
         inner_state,
       )
       # No scoped entry (only zero-size leaves): nothing is pruned.
@@ -654,18 +705,17 @@ def periodic_mask(
     # What every mask of the run is (counts, tiles, groups), promised to the inner
     # update for these very mask arrays: sparse_state's compact storage then needs
     # no host callback for a check they cannot fail.
-    bounds = bounds_of(plans, params)
-    promises = {}
-    for (path, x), m in zip(
-      jax.tree_util.tree_flatten_with_path(params)[0], masks, strict=True
-    ):
-      bound = bounds.get((jax.tree_util.keystr(path), id(x)))
-      if bound is not None and bound.always:
-        promises[id(m)] = bound
-    with _mask_bounds.mask_promises(promises):
-      inner_updates, inner_state = inner.update(
-        updates, inner_state, params, param_mask=mask_tree, **extra_args
-      )
+    promises = tuple(
+      (m, bound)
+      for m, bound in zip(masks, self.bounds_of(plans, params), strict=True)
+      if bound is not None and bound.always
+    )
+    extra_args.pop("mask_promises", None)  # an outer wrapper's: not of these masks
+    if promises:
+      extra_args["mask_promises"] = _mask_bounds.MaskPromises(promises)
+    inner_updates, inner_state = self.inner.update(
+      updates, inner_state, params, param_mask=mask_tree, **extra_args
+    )
     out = []
     for p, u, w, m in zip(
       plans, treedef.flatten_up_to(inner_updates), param_leaves, masks, strict=True
@@ -683,5 +733,3 @@ def periodic_mask(
       inner_state=inner_state,
     )
     return treedef.unflatten(out), new_state
-
-  return optax.GradientTransformationExtraArgs(*_shard_map.typed(init_fn, update_fn))

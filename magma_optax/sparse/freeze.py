@@ -1,46 +1,13 @@
 """Freezing a generic base's new state where it is computed, so that its update reads
 the frozen state.
 
-Skip storage (:func:`magma_optax.sparse_state`, ``mode="skip"``) keeps a base's state
-where the parameter mask is off: ``new = where(M, s', s)``, ``u = where(M, u', 0)``.
-Written that way, XLA evaluates the base's elementwise state update twice -- once
-into the (donated) state buffer, in place, and once inside the update's loop, which
-reads the *old* state -- and must copy the old state before overwriting it (for
-Adam: both moments, a parameter-sized temporary each, 4-5x the step of
-``optax.adam`` on a 2-core CPU). A base built for masks would compute its update
-from the merged state instead: where ``M`` holds, ``where(M, s', s)`` *is* ``s'``.
-
-:func:`evaluate` does that for any base, without knowing it. It traces the step into
-a jaxpr and evaluates it equation by equation; each state output that is to be
-frozen is replaced, right where it is computed, by ``where(M, s', s)`` behind an
-``optimization_barrier`` (XLA then materialises it in place and the update's loop
-reads it), so that every later use reads the frozen value. This changes nothing
-where ``M`` holds, and only there are the results used -- *provided* every use of
-``s'`` is elementwise. It is checked per state output before anything is replaced:
-every equation that (transitively) reads ``s'`` must be an elementwise primitive of
-``s'``'s shape (``jit`` calls are followed inside), and the outputs it reaches must
-be the ones masked by the same ``M`` (the update of the same parameter, or state
-entries of that parameter, which are frozen the same way). A norm, a sum, a
-reshape or any other primitive makes that output keep the ordinary freeze (correct,
-with the copy); so does an array that the base returns as two state entries (each
-has its own old value). Where the rewrite applies, the results are the same up to
-float32 rounding: XLA compiles another program, whose fusions may round otherwise
-(1-16 ulp for a few of optax's optimizers in a review's sweep; most are the same
-bit for bit; ``tests/test_sparse_skip_freeze.py``). Only a traced step is
-rewritten: run eagerly there is no copy to save.
-
-Example:
-  >>> import jax.numpy as jnp
-  >>> from magma_optax.sparse import freeze as _freeze
-  >>> old, g = jnp.zeros(4), jnp.ones(4)
-  >>> mask = jnp.array([True, False, True, False])
-  >>> def step():  # a momentum (output 1) and an update read from it (output 0)
-  ...   m = 0.9 * old + g
-  ...   return -2.0 * m, m
-  >>> targets_of = lambda shapes: {1: _freeze.Target(mask, old, group={0, 1})}
-  >>> (u, m), done = _freeze.evaluate(step, targets_of)
-  >>> done, m.tolist(), jnp.where(mask, u, 0.0).tolist()
-  ({1}, [1.0, 0.0, 1.0, 0.0], [-2.0, 0.0, -2.0, 0.0])
+Skip storage keeps a base's state where the parameter mask is off: ``where(M, s',
+s)``. :func:`evaluate` traces the base's step and replaces each state output to be
+frozen, where it is computed, by that select behind a barrier, so that every later
+use reads the frozen value and XLA copies no old state. It applies only where every
+use of ``s'`` is elementwise (checked per output); :func:`reads_inputs` finds the
+outputs of a function that read its inputs' values. Design notes:
+``docs/design/internals.md``.
 """
 
 from __future__ import annotations

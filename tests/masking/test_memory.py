@@ -19,6 +19,7 @@ from _hlo import entry_ops
 from _hlo import fusions_computing
 
 import magma_optax as magma
+from magma_optax._core import xla_cpu as _xla_cpu
 
 PARAMS = {
   "attn": {"q_proj": {"kernel": jax.ShapeDtypeStruct((64, 64), jnp.float32)}},
@@ -226,5 +227,5 @@ def test_compact_update_is_computed_per_stored_entry_not_per_parameter(
 
   assert not per_parameter()
   # Positive control: without the branch, XLA:CPU fuses the update into it.
-  monkeypatch.setattr(magma._sparse_state, "_computed_once", lambda u, _: u)
+  monkeypatch.setattr(_xla_cpu, "computed_once", lambda u, _: u)
   assert per_parameter()

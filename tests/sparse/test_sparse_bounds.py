@@ -1,9 +1,9 @@
 """Tests for the init-time check of periodic_mask's masks against compact storage.
 
-``periodic_mask``'s init tells the transform inside it the densest mask each leaf
-will get (``_mask_bounds.MaskBound``: all-active before ``start`` and at the start of a
-ramp, the top-k count of the first refresh, the tiles, the N:M groups), and
-``sparse_state``'s init raises, before any step, the ``ValueError`` that a step
+``periodic_mask``'s init checks the storage of the transform inside it against the
+densest mask each leaf will get (``_mask_bounds.MaskBound``: all-active before
+``start`` and at the start of a ramp, the top-k count of the first refresh, the
+tiles, the N:M groups) and raises, before any step, the ``ValueError`` that a step
 would where that mask certainly cannot be stored. The reference is the first step
 of the same composition with the init check switched off: it must fail exactly
 where init raises, with the same message where the count is the one init knew.
@@ -19,7 +19,6 @@ import pytest
 
 import magma_optax as magma
 from magma_optax._core import mask_bounds as _mask_bounds
-from magma_optax.pruning import topk as _topk
 
 LR = 0.05
 _keys = jax.random.split(jax.random.key(0), 6)
@@ -186,7 +185,7 @@ def first_step_error(inner, kwargs):
   time): an error found while tracing is a ValueError, one found by the step's
   check comes through the runtime -- what init spares."""
   tx = magma.periodic_mask(inner, every=3, **kwargs)
-  with mock.patch.object(_topk, "mask_bound", lambda name, shape: None):
+  with mock.patch.object(_mask_bounds, "check_init", lambda *args: None):
     state = tx.init(PARAMS)
   try:
     jax.block_until_ready(jax.jit(tx.update)(GRADS, state, PARAMS))
@@ -258,16 +257,29 @@ def test_what_init_cannot_know_is_left_to_the_step():
   assert first_step_error(inner, {"sparsity": 0.0, "where": matrices}) is None
 
 
-def test_a_bound_is_for_its_path_and_leaf():
-  w, v = jnp.ones((2, 2)), jnp.ones((2, 2))
+def test_a_bound_is_for_its_leaf_and_a_promise_for_its_mask_array():
   bound = _mask_bounds.MaskBound((2, 2), "test", 4)
   assert bound.all_active
   assert not bound._replace(exact=False).all_active
-  with _mask_bounds.mask_bounds({("['w']", id(w)): bound}):
-    assert _mask_bounds.mask_bound("['w']", w) is bound
-    assert _mask_bounds.mask_bound("['w']", v) is None  # another leaf at that path
-    assert _mask_bounds.mask_bound("['v']", w) is None  # that leaf at another path
-  assert _mask_bounds.mask_bound("['w']", w) is None  # gone after the init
+  # At init: a storage is matched to the wrapper's leaf by tree structure. Here
+  # leaf "['w']" of the storage's tree is the wrapper's leaf 1 ("['w']"), and a
+  # bound of all 4 entries overflows its capacity of 1.
+  params = {"v": jnp.ones((2, 2)), "w": jnp.ones((2, 2))}
+  inner = magma.sparse_state(optax.adam(LR), mode="compact", density=0.25)
+  state = inner.init(params)
+  params_def = jax.tree.structure(params)
+  with pytest.raises(ValueError, match=r"leaf \['w'\] \(size 4\) has 4.*Found at init"):
+    _mask_bounds.check_init(state, params_def, [None, bound])
+  _mask_bounds.check_init(state, params_def, [None, None])  # no bound: nothing
+  # A storage given another tree (a subtree) gets no bound.
+  sub = inner.init({"w": jnp.ones((2, 2))})
+  _mask_bounds.check_init(sub, params_def, [None, bound])
+  # At update: a promise is of the very mask array passed, of the bound's shape.
+  m, same_values = jnp.ones((2, 2), bool), jnp.ones((2, 2), bool)
+  promises = _mask_bounds.MaskPromises(((m, bound._replace(always=True)),))
+  assert promises.bound_of(m) is promises.pairs[0][1]
+  assert promises.bound_of(same_values) is None  # another array
+  assert _mask_bounds.MaskPromises(((m, bound),)).bound_of(m) is None  # not always
 
 
 def test_a_wrapper_that_hands_on_a_subtree_gets_no_bound():

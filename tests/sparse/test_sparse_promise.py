@@ -22,7 +22,10 @@ import pytest
 
 import magma_optax as magma
 from magma_optax._core import mask_bounds as _mask_bounds
-from magma_optax.sparse import step as _sparse_state
+from magma_optax.sparse.compact import Compact
+from magma_optax.sparse.nm import Grouped
+from magma_optax.sparse.nm import Groups
+from magma_optax.sparse.tiles import Tiles
 
 LR = 0.05
 BLOCK = (2, 4)
@@ -106,12 +109,12 @@ NOT_PROMISED = {
 @contextlib.contextmanager
 def unpromised():
   """Steps traced inside see no promise: every check goes through the host."""
-  saved = _mask_bounds.mask_promise
-  _mask_bounds.mask_promise = lambda mask: None
+  saved = _mask_bounds.MaskPromises.bound_of
+  _mask_bounds.MaskPromises.bound_of = lambda self, mask: None
   try:
     yield
   finally:
-    _mask_bounds.mask_promise = saved
+    _mask_bounds.MaskPromises.bound_of = saved
 
 
 def program(tx, params):
@@ -192,7 +195,7 @@ def run(tx, steps, params, promise=True):
 
 
 def leaves(tree):
-  is_state = lambda x: isinstance(x, _sparse_state.SparseState)  # noqa: E731
+  is_state = lambda x: isinstance(x, magma.SparseState)  # noqa: E731
   tree = jax.tree.map(
     lambda x: x._replace(errors=optax.MaskedNode()) if is_state(x) else x,
     tree,
@@ -327,12 +330,10 @@ def test_which_bounds_suffice_for_a_storage(storage, bound, suffices):
   # along the last axis: 64; "all tiles": all 128).
   shape = SHAPE
   make = {
-    "tiles": lambda: _sparse_state._Tiles(shape, "w", BLOCK, 4, "4"),
-    "all tiles": lambda: _sparse_state._Tiles(shape, "w", BLOCK, 16, "16"),
-    "flat": lambda: _sparse_state._Compact(shape, "w", 32, "32"),
-    "N:M": lambda: _sparse_state._Grouped(
-      shape, "w", _sparse_state._Groups(shape, 1, 2, 4)
-    ),
+    "tiles": lambda: Tiles(shape, "w", BLOCK, 4, "4"),
+    "all tiles": lambda: Tiles(shape, "w", BLOCK, 16, "16"),
+    "flat": lambda: Compact(shape, "w", 32, "32"),
+    "N:M": lambda: Grouped(shape, "w", Groups(shape, 1, 2, 4)),
   }[storage]
   kw = dict(bound)
   if storage == "N:M" and kw.get("structure") is not None:

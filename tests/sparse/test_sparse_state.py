@@ -18,7 +18,10 @@ from jax.sharding import PartitionSpec as P
 
 import magma_optax as magma
 from magma_optax._core import sharded as _sharded
-from magma_optax.sparse import step as _sparse_state
+from magma_optax.sparse import indices as _indices
+from magma_optax.sparse import step as _step
+from magma_optax.sparse import storage as _storage
+from magma_optax.sparse.tiles import Tiles
 
 B1, B2, EPS, LR = 0.9, 0.999, 1e-8, 0.05
 
@@ -614,10 +617,8 @@ def test_bad_mask_shape_raises():
 
 
 def test_active_indices_match_numpy_nonzero():
-  from magma_optax.sparse.step import _active_indices
-
   rng = np.random.default_rng(4)
-  run = jax.jit(_active_indices, static_argnums=1)
+  run = jax.jit(_indices.active_indices, static_argnums=1)
   # Lengths that are not multiples of 32, densities 0 and 1, and capacities below
   # the number of active entries (the first `size` are kept) and above it (filled).
   for n in (1, 31, 33, 100):
@@ -857,12 +858,12 @@ def test_tile_leaves_of_one_shape_build_their_indices_in_one_computation():
 
   assert count(6) == count(2) > 0
   # The control: one computation per leaf, as before.
-  saved = _sparse_state._Tiles.batch_key
-  _sparse_state._Tiles.batch_key = lambda self: None
+  saved = Tiles.batch_key
+  Tiles.batch_key = lambda self: None
   try:
     assert count(6) == 3 * count(2) > 0
   finally:
-    _sparse_state._Tiles.batch_key = saved
+    Tiles.batch_key = saved
 
 
 # 600 bytes: RMSProp's 192-byte nu per leaf remapped 3 together, then 1 alone;
@@ -889,16 +890,16 @@ def test_tile_leaves_remapped_together_keep_each_leafs_state(
   # initial_scale=1) decays between remaps. The reference: each leaf alone.
   assert not _sharded.partitionable()  # one device: the leaves are grouped
   if remap_bytes is not None:
-    monkeypatch.setattr(_sparse_state, "_REMAP_BYTES", remap_bytes)
+    monkeypatch.setattr(_step, "REMAP_BYTES", remap_bytes)
   groups = []  # the number of leaves of each remap group traced
-  remap_group = _sparse_state._Tiles.remap_group
+  remap_group = Tiles.remap_group
   monkeypatch.setattr(
-    _sparse_state._Tiles,
+    Tiles,
     "remap_group",
     staticmethod(lambda s, *a: groups.append(len(s)) or remap_group(s, *a)),
   )
   if apart:
-    monkeypatch.setattr(_sparse_state._Tiles, "batch_key", lambda self: None)
+    monkeypatch.setattr(Tiles, "batch_key", lambda self: None)
   dtype = {"b": jnp.dtype(b_dtype)}
   block, steps = (2, 4), 5
   rng = np.random.default_rng(7)
@@ -964,12 +965,12 @@ def test_tile_leaves_of_one_shape_are_remapped_in_one_computation():
     LR, mode="compact", density=0.5, block=(2, 4), on_error="record"
   )
   grouped = remap_scatters(tx, 6), remap_scatters(tx, 2)
-  saved = _sparse_state._Tiles.remap_key
-  _sparse_state._Tiles.remap_key = _sparse_state._Storage.remap_key
+  saved = Tiles.remap_key
+  Tiles.remap_key = _storage.Storage.remap_key
   try:
     alone = remap_scatters(tx, 6), remap_scatters(tx, 2)
   finally:
-    _sparse_state._Tiles.remap_key = saved
+    Tiles.remap_key = saved
   per_remap = alone[1] - grouped[1]
   assert grouped[0] == grouped[1] > 0
   assert alone[0] - alone[1] == 4 * per_remap > 0

@@ -1,0 +1,171 @@
+"""How a step reports a parameter mask that compact storage cannot hold.
+
+``on_error="raise"`` raises a ``ValueError`` (under ``jax.jit`` from a host
+callback); ``on_error="record"`` compiles none: each leaf keeps its first failure in
+the state (:attr:`magma_optax.SparseState.errors`: a kind and its counts), and
+:func:`check_sparse_state` raises it with the same message, also from a state
+restored from a checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from magma_optax._core import compat as _compat
+from magma_optax._core import shard_map as _shard_map
+from magma_optax._core import trees as _trees
+from magma_optax.sparse import storage as _storage
+
+ON_ERROR = ("raise", "record")
+# A leaf's record: [kind (0: none), up to ERROR_VALUES counts].
+ERROR_VALUES = 8
+
+
+def no_record() -> jax.Array:
+  """A leaf's record before any failure."""
+  return jnp.zeros((1 + ERROR_VALUES,), jnp.int32)
+
+
+def recorded(record: jax.Array, check: _storage.Check) -> jax.Array:
+  """A leaf's record after a step whose check is ``check``: its first failure is
+  kept (a record made before stays)."""
+  if len(check.values) > ERROR_VALUES:  # the storages' checks have at most 2 + ndim
+    raise ValueError(f"a check with {len(check.values)} counts cannot be recorded.")
+  values = [jnp.asarray(v, jnp.int32) for v in check.values]
+  zeros = [jnp.zeros([], jnp.int32)] * (ERROR_VALUES - len(values))
+  now = jnp.stack([jnp.asarray(check.kind, jnp.int32), *values, *zeros])
+  keep = (record[0] != 0) | ~jnp.asarray(check.bad)
+  return jnp.where(keep, record, now)
+
+
+def check_sparse_state(opt_state: Any) -> None:
+  """Raises the failure that a ``sparse_state(..., on_error="record")`` step recorded.
+
+  With ``on_error="record"``, a step whose parameter mask fails a check of compact
+  storage (more active entries, groups or tiles than the capacity, or a mask not
+  made of whole tiles) raises nothing: a failing leaf keeps its stored entries or
+  tiles (its mask is replaced by them; its stored moments take the step there),
+  gets a zero update, and its first failure is recorded in
+  :attr:`SparseState.errors`. This reads those records (a transfer that waits for
+  the step that wrote them) and raises the ``ValueError`` that ``on_error="raise"``
+  would have raised. Call it where the training loop already reads values from the
+  device (its logging steps). Where several leaves hold records, the first in tree
+  order is raised (each keeps its own first failure).
+
+  Args:
+    opt_state: an optimizer state, or any pytree holding :class:`SparseState`
+      values (inside ``optax.chain``, ``periodic_mask``, ``optax.MultiSteps``,
+      ``inject_hyperparams``, a batch of states from ``jax.vmap``), also one
+      restored from a checkpoint into the structure of ``tx.init``.
+
+  Raises:
+    ValueError: the recorded failure's message: the leaf, the counts, the
+      capacity and the fix. Also a ``ValueError`` when ``opt_state`` holds no
+      :class:`SparseState` at all (a checkpoint restored without its target
+      structure comes back as dicts: restore it with one).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import magma_optax as magma
+    >>> tx = magma.sparse_state(optax.adam(1e-3), mode="compact", density=0.25,
+    ...                         on_error="record")
+    >>> params = {"w": jnp.ones((4, 4))}
+    >>> state = tx.init(params)
+    >>> step = jax.jit(lambda g, s, m: tx.update(g, s, params, param_mask=m))
+    >>> too_dense = {"w": jnp.ones((4, 4), bool)}  # 16 active, capacity 4
+    >>> updates, state = step(params, state, too_dense)
+    >>> float(jnp.abs(updates["w"]).max())  # no update for the failing leaf
+    0.0
+    >>> magma.check_sparse_state(state)
+    Traceback (most recent call last):
+    ...
+    ValueError: sparse_state compact capacity overflow: leaf ['w'] (size 16) ...
+  """
+  is_state = _storage.is_sparse_state
+  states = [x for x in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(x)]
+  if not states:
+    raise ValueError(
+      "check_sparse_state: opt_state holds no SparseState (the state of"
+      " sparse_state / sparse_adam); got a"
+      f" {type(opt_state).__name__}. A checkpoint restored without its target"
+      " structure comes back as dicts: restore it with the state of tx.init as"
+      " the target."
+    )
+  for st in states:
+    if _trees.is_masked(st.errors):
+      continue
+    layout = st.storage
+    for s, record in zip(
+      layout.storages, layout.treedef.flatten_up_to(st.errors), strict=True
+    ):
+      if _trees.is_masked(record):
+        continue
+      for kind, *values in np.asarray(record).reshape(-1, 1 + ERROR_VALUES).tolist():
+        if kind:
+          raise ValueError(s.failure_message(*values[: s.failure_values]))
+
+
+def raise_any(checks: list[_storage.Check]) -> jax.Array | None:
+  """Raises ``ValueError`` with the message of the first failing check.
+
+  With a concrete mask (``update`` called outside ``jax.jit``) the error is raised
+  here, before the step computes anything. Under ``jax.jit`` the counts are only
+  known when the step runs, and a compiled step can only fail through the runtime:
+  a host callback raises the same ``ValueError``, which JAX reports as a
+  ``JaxRuntimeError`` or a ``ValueError`` (with this message on the last line); the
+  step returns nothing, so no overflowing state reaches the caller.
+
+  Returns ``None``, or under ``jax.jit`` an int32 zero that the caller must fold
+  into the step's outputs: the callback is a ``jax.pure_callback`` inside one
+  ``lax.cond`` for all leaves, kept alive by that data dependency; under a
+  ``jax.set_mesh`` context of several devices, inside a ``shard_map`` over it, so
+  that every device raises (a callback of one device would leave the others
+  waiting at the next collective). (A ``jax.debug.callback`` is an effect: JAX
+  would then wait for every step before dispatching the next.)
+  """
+  if not checks:
+    return None
+
+  def fail(bads, *values):
+    at = 0
+    for check, bad in zip(checks, bads, strict=True):
+      n = len(check.values)
+      if bad:
+        raise ValueError(check.describe(*(int(v) for v in values[at : at + n])))
+      at += n
+    # Reached only under jax.vmap, where the cond runs both branches (one call
+    # per batch element): nothing failed in this one.
+    return np.zeros((), np.int32)
+
+  bads = jnp.stack([jnp.asarray(c.bad) for c in checks])
+  values = [v for c in checks for v in c.values]
+  if any(_compat.is_tracer(x) for x in (bads, *values)):
+    out = jax.ShapeDtypeStruct((), jnp.int32)
+
+    def check(bads, *values):
+      return _shard_map.cond(
+        jnp.any(bads),
+        lambda: jax.pure_callback(fail, out, bads, *values, vmap_method="sequential"),
+        lambda: jnp.zeros([], jnp.int32),
+      )
+
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = jax.sharding.AxisType.Manual
+    if not mesh.empty and mesh.size > 1 and manual not in mesh.axis_types:
+      # Under a mesh a callback runs on one device, and the others wait for it at
+      # the step's next collective (XLA:CPU aborts the process after a timeout).
+      # In a shard_map over the whole mesh every device runs the check, and all
+      # of them fail together (a JaxRuntimeError, as on one device).
+      check = jax.shard_map(
+        check, mesh=mesh, in_specs=jax.sharding.PartitionSpec(),
+        out_specs=jax.sharding.PartitionSpec(), check_vma=False,
+      )  # fmt: skip
+    values = [jnp.asarray(v) for v in values]
+    return check(bads, *values)
+  if bool(jnp.any(bads)):
+    fail([bool(b) for b in bads], *values)
+  return None
