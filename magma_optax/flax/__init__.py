@@ -1,7 +1,9 @@
-"""Flax pieces for magma_optax (needs flax: ``pip install "magma-optax[flax]"``).
+"""Flax layers for sparse training (needs flax: ``pip install "magma-optax[flax]"``).
 
-Not imported by ``import magma_optax``: the core package depends on jax, optax and
-numpy only.
+Learnable weight scaling over a parameter mask (:class:`ScaledMaskedLinear`,
+:class:`ScaledMaskedDense`), the mask as a variable (:class:`SparsityMask`,
+:func:`assign_masks`) and a distillation loss. Not imported by ``import
+magma_optax``; the demo's model is :mod:`magma_optax.demo.llama`.
 """
 
 try:
@@ -12,9 +14,6 @@ except ImportError as e:  # say which extra brings it
     ' pip install "magma-optax[flax]" (or "magma-optax[demo]" for the demo too).'
   ) from e
 
-from magma_optax.demo import llama
-from magma_optax.demo.llama import Llama
-from magma_optax.demo.llama import LlamaConfig
 from magma_optax.flax import scaling
 from magma_optax.flax.scaling import ScaledMaskedDense
 from magma_optax.flax.scaling import ScaledMaskedLinear
@@ -23,13 +22,10 @@ from magma_optax.flax.scaling import assign_masks
 from magma_optax.flax.scaling import knowledge_distillation_loss
 
 __all__ = (
-  "Llama",
-  "LlamaConfig",
   "ScaledMaskedDense",
   "ScaledMaskedLinear",
   "SparsityMask",
   "assign_masks",
   "knowledge_distillation_loss",
-  "llama",
   "scaling",
 )
