@@ -36,7 +36,7 @@ Usage::
     python3 benchmarks/gpu_check.py --smoke    # any machine: every code path above
                                                # at tiny sizes, Pallas interpreted
 
-``--smoke`` checks the script itself (tests/test_gpu_check.py runs it on CPU): the
+``--smoke`` checks the script itself (tests/repo/test_gpu_check.py runs it on CPU): the
 Triton kernel in the generic Pallas interpreter and (jax >= 0.12) the Mosaic GPU
 kernel in the GPU interpreter, tiny shapes, one round, and the overhead table with
 XLA only. Its timings mean nothing. ``benchmarks/tpu_check.py`` is the same check

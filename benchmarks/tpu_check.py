@@ -27,7 +27,7 @@ Usage::
     python3 benchmarks/tpu_check.py --smoke    # any machine: every code path above
                                                # at tiny sizes, in the TPU interpreter
 
-``--smoke`` checks the script itself (tests/test_tpu_check.py runs it on CPU): the
+``--smoke`` checks the script itself (tests/repo/test_tpu_check.py runs it on CPU): the
 kernel in ``pltpu.InterpretParams()``, tiny shapes, one round, and the overhead
 table with XLA only. Its timings mean nothing.
 """

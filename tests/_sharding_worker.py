@@ -194,7 +194,7 @@ def tile_transforms():
     )
 
   # sparse_adam's storage is sparse_state's (the same classes); its tile step is
-  # the part that differs (tests/test_sparse_state.py checks both on one device).
+  # the part that differs (tests/sparse/test_sparse_state.py checks both on one device).
   return {
     "sharded_tiles_sparse_adam": (masked(magma.sparse_adam(0.1, **kwargs)), TILED)
   }

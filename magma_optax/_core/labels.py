@@ -1,36 +1,11 @@
-"""Labels from parameter paths: which leaves are attention, MLP, or something else.
+"""Labels of a transformer's parameters from their paths: attention, MLP, the rest.
 
-The paper applies Magma to the attention and MLP matrices of a transformer only;
-embeddings, the output head, norms and biases take the plain base update (arXiv
-2602.15322, Sec. 5). :func:`transformer_labels` reads that from the names along a
-leaf's key path, as the model code our users run writes them:
-
-* Flax Linen and NNX built-ins (``MultiHeadDotProductAttention_0/query``,
-  ``nnx.MultiHeadAttention`` attributes, ``LayerNorm_0``, ``Embed``), and the flax
-  examples' ``MlpBlock_0``;
-* Hugging Face Flax models: GPT-2 (``h/0/attn/c_attn``, ``mlp/c_fc``), LLaMA
-  (``self_attn/q_proj``, ``mlp/gate_proj``), BERT (``attention/self/query``,
-  ``intermediate/dense``, ``output/dense``), T5 (``SelfAttention/q``,
-  ``DenseReluDense/wi``);
-* MaxText / Gemma (``self_attention/query``, ``attn/q_einsum``, ``mlp/wi_0``,
-  ``mlp/gating_einsum``); MoE expert stacks (``MoeBlock_0/wi_0``,
-  ``block_sparse_moe/experts``), whose router (``gate``, ``router``) is "other".
-
-Rules, in order (names lower-cased; NNX's trailing ``.value`` is dropped, so Linen
-and NNX give the same labels):
-
-1. the leaf's own name is a bias, scale or embedding (``bias``, ``b``, ``scale``,
-   ``embedding``, ...), or a module on the path is a norm, an embedding, the output
-   head or a MoE router: ``"other"``, whatever the leaf's rank;
-2. a module on the path is an attention block (``attn``, ``attention``, ``mha``):
-   ``"attention"``;
-3. a module is an MLP block (``mlp``, ``ffn``, ``feed_forward``, ``DenseReluDense``,
-   BERT's ``intermediate`` / layer ``output``, MoE experts): ``"mlp"``;
-4. a projection name without a known block (``q_proj``, ``query``, ``wq``, ... /
-   ``gate_proj``, ``fc1``, ``wi``, ...): its kind;
-5. anything else: ``"other"``, and *unrecognised* when it is a matrix (rank >= 2)
-   that no rule explained (:func:`magma_optax.scope_report` shows it; ``init`` of a
-   transform scoped by these labels warns about it).
+The paper applies Magma to the attention and MLP matrices only.
+:func:`transformer_labels` reads that from the names along each leaf's key path (the
+naming of Flax Linen and NNX, Hugging Face Flax models, MaxText and Gemma, MoE
+expert stacks) as ``"attention"``, ``"mlp"`` or ``"other"``, and flags matrices no
+rule explains; :func:`attention_mlp_weights` is that scope as a ``where=``
+predicate. The rules, in order: ``docs/design/internals.md``.
 """
 
 from __future__ import annotations

@@ -1,28 +1,9 @@
-"""Scoping: which leaves a mask acts on, with which label and keep probability.
+"""Which leaves a transform masks, with which label and keep probability.
 
-The paper applies Magma to attention and MLP weights only; embeddings, the output head,
-norms and biases take the plain base update (arXiv 2602.15322, Sec. 5 and the 130M
-ablation). Here that is the ``where=`` argument every mask takes:
-
-* ``where=None``: every floating-point leaf is masked;
-* ``where=callable(path, leaf) -> bool``: e.g. :func:`attention_mlp_weights`, the
-  paper's scope;
-* ``where=`` a pytree of bools with the parameters' structure.
-
-``path`` is a JAX key path (``jax.tree_util.tree_flatten_with_path``). The leaf passed
-is the parameter at ``init`` and the incoming update at ``update`` (same path, shape and
-dtype), so predicates should look at those only. Integer and other non-float leaves
-are never masked; they pass through unchanged. Complex leaves are masked like the
-real vector (Re, Im) of twice the length: cosines use the real inner product and
-norms the magnitudes (``adam_magma``, a real-valued kernel, refuses them).
-
-Labels group leaves for per-label keep probabilities and for logging:
-:func:`transformer_labels` (:mod:`magma_optax._labels`) names a leaf ``"attention"``,
-``"mlp"`` or ``"other"`` from the usual Flax / Hugging Face / MaxText module names.
-Passing ``keep_prob={"attention": 0.6, "mlp": 0.8, "other": 0.9}`` gives each label
-its own probability; leaves whose label is absent from the mapping are not masked,
-and a label that matches no leaf is an error (a typo must not silently turn masking
-off).
+:func:`plan_leaves` gives each leaf a :class:`LeafPlan`: in scope or not (``where``:
+a predicate on ``(path, leaf)``, a pytree of bools, or all floating leaves), its label
+(``labels``), keep probability, block layout and the id of its key path (the draws'
+key). :func:`match_state` checks a step's plans against the state's.
 """
 
 from __future__ import annotations
@@ -71,7 +52,7 @@ class LeafPlan:
     keep_prob: the leaf's keep probability (float, array or schedule).
     path_id: :func:`path_id` of the leaf's key path (enters the mask's PRNG key).
     path: ``jax.tree_util.keystr`` of the leaf's key path (for messages and the
-      layouts a state declares, see :func:`magma_optax._engine.declared_layouts`).
+      layouts a state declares, see :class:`magma_optax._core.blocks.DeclaredAxes`).
   """
 
   index: int

@@ -1,28 +1,9 @@
 """A real byte-level text corpus that every machine has offline: the stdlib's source.
 
-The demo, the language-model benchmark and the notebooks train on the source code of
-the Python standard library, read from the running interpreter's install
-(``sysconfig.get_paths()["stdlib"]``). It is real text (code, docstrings, comments),
-needs no download, and is the same on every machine running the same CPython minor
-version. The file list is fixed and sorted (:data:`STDLIB_FILES`, about 1.8 MB on
-CPython 3.11; every file exists on 3.11 and 3.12); a file missing from an unusual
-install is skipped, and an install missing more than half of them is an error.
-
-Split (deterministic, no randomness): every file is cut at 90 % of its length; the
-heads, in list order, form the training text and the tails the validation text, each
-file separated by a ``\\x00`` byte. Holding out the tail of every file (rather than
-whole files) keeps both splits on the same mix of modules.
-
-Tokens are bytes (vocabulary 256). :func:`train_batches` draws random windows from the
-training text with a seeded ``numpy.random.Generator``; :func:`validation_batches`
-returns a fixed, evenly spaced set of validation windows, the same on every call.
-
-Example:
-  >>> from magma_optax.demo import corpus
-  >>> data = corpus.load()
-  >>> batches = corpus.train_batches(data.train, batch_size=4, seq_len=64, seed=0)
-  >>> next(batches).shape
-  (4, 65)
+:func:`load` reads a fixed list of the Python standard library's source files from
+the running interpreter and splits each at 90 % of its length (heads for training,
+tails for validation); tokens are bytes. :func:`train_batches` draws seeded random
+windows, :func:`validation_batches` a fixed set.
 """
 
 from __future__ import annotations
@@ -126,6 +107,13 @@ def load(
   Raises:
     ValueError: on a bad ``validation_fraction`` or ``max_bytes``, or when fewer than
       half of ``files`` can be read.
+
+  Example:
+    >>> from magma_optax.demo import corpus
+    >>> data = corpus.load()
+    >>> batches = corpus.train_batches(data.train, batch_size=4, seq_len=64, seed=0)
+    >>> next(batches).shape
+    (4, 65)
   """
   if not 0.0 < validation_fraction < 1.0:
     raise ValueError(

@@ -1,40 +1,10 @@
-"""A small LLaMA-style byte-level language model (Flax NNX) and a functional train step.
+"""A small LLaMA-style byte language model in Flax NNX: the demo's model.
 
-The model used by the demo, the language-model benchmark and the notebooks: pre-norm
-decoder blocks with RMSNorm, rotary position embeddings (RoPE), causal multi-head
-attention and a SwiGLU MLP, as in LLaMA (Touvron et al., arXiv 2302.13971) and the
-Llama-2-style models of the Magma paper (arXiv 2602.15322), shrunk to run on a CPU.
-Vocabulary: 256 bytes, so no tokenizer is needed (see :mod:`magma_optax.corpus`).
-
-Parameter names follow the Hugging Face LLaMA layout, so that
-:func:`magma_optax.transformer_labels` and :func:`magma_optax.attention_mlp_weights`
-scope them as the paper does::
-
-    embed/embedding                        other   (no Magma)
-    layers/<i>/attn_norm/scale             other
-    layers/<i>/attn/{q,k,v,o}_proj/kernel  attention
-    layers/<i>/mlp_norm/scale              other
-    layers/<i>/mlp/{gate,up,down}_proj/kernel  mlp
-    final_norm/scale                       other
-    lm_head/kernel                         other   (absent when tied)
-
-Training is functional, so any optax transform plugs in: :func:`init_params` splits a
-fresh model into a static ``graphdef`` and a plain nested dict of arrays (the
-parameters optax sees), and :func:`make_train_step` returns a jitted
-``step(params, opt_state, batch) -> (params, opt_state, loss)``.
-
-Example:
-  >>> import optax, magma_optax as magma
-  >>> from magma_optax.demo import llama
-  >>> from magma_optax.demo import corpus
-  >>> config = llama.LlamaConfig.tiny()
-  >>> graphdef, params = llama.init_params(config, seed=0)
-  >>> tx = magma.magma(optax.adam(3e-3), where=magma.attention_mlp_weights)
-  >>> opt_state = tx.init(params)
-  >>> step = llama.make_train_step(graphdef, tx)
-  >>> data = corpus.load(max_bytes=4096)
-  >>> batch = next(corpus.train_batches(data.train, batch_size=2, seq_len=32))
-  >>> params, opt_state, loss = step(params, opt_state, batch)
+RMSNorm, rotary position embeddings, SwiGLU MLPs and a tied byte embedding, in the
+presets ``"tiny"``, ``"small"`` and ``"medium"`` (:class:`LlamaConfig`); parameter
+paths that :func:`magma_optax.transformer_labels` reads (attention, MLP). With the
+training step, evaluation and learning-rate schedule of the demo and of
+``benchmarks/lm.py``. Needs flax.
 """
 
 from __future__ import annotations

@@ -1,39 +1,11 @@
-"""Two-minute demo: Adam vs Adam+Magma on a byte-level LLaMA-style model.
+"""The demo's run: Adam vs Adam+Magma on the same byte-level LLaMA-style model.
 
-Run ``python3 -m magma_optax.demo`` (``--help`` for flags). It trains the same small
-LLaMA-style byte model (:mod:`magma_optax.flax.llama`) twice from the same
-initialisation on the same batches -- once with Adam, once with
-``magma.magma(optax.adam(lr), key=..., where=magma.attention_mlp_weights)`` at the
-paper's defaults (tau = 2, p = 0.5, score EMA 0.9, Magma on attention and MLP weights
-only) -- on the Python standard library's own source (:mod:`magma_optax.corpus`). Both
-runs advance in lock-step under one tqdm bar. At the end it prints the final
-validation loss and perplexity of each and writes a PNG of both loss curves.
-
-Learning rates. Both use the paper's schedule (10 % linear warm-up, cosine decay to
-10 % of the peak) and the same peak, 3e-3. Magma scales each kept block by its score
-s ~ 0.5 and keeps half the blocks, so its average step is about a quarter of Adam's,
-and the paper finds its best learning rate higher than Adam's (Adam good up to ~3e-3,
-Adam+Magma up to ~5e-2). At this model size and horizon our own check did not find
-that: ``benchmarks/lm.py`` on this model (``benchmarks/results/lm_small_check``, 2
-seeds, 300 steps) gave Adam+Magma 2.016 nats/byte at 3e-3 and 2.078 at 1e-2, so the
-demo gives both optimizers 3e-3; ``--lr`` and ``--magma-lr`` change them. The demo is a
-taste, not evidence: with the defaults (seed 0; measured 2026-12-01 in a fresh venv,
-jax 0.10.2) Adam reached 2.069 nats/byte and Adam+Magma 2.010, differences of the size
-of the seed spread. (On 2026-11-29, in an earlier environment and with masks drawn
-from leaf positions: 2.058 and 2.029; with ``--magma-lr 1e-2``: 2.128. That older
-commit, run here on 2026-12-01, gives Adam 2.069 too.) ``benchmarks/RESULTS.md`` has the
-learning-rate sweep and the controls (a deterministic x0.25 scaling of the
-attention/MLP updates does as well as Magma there).
-
-Sizes. ``--size small`` (default, ~0.87M parameters, 4 layers, width 128) with 8
-sequences of 128 bytes per step and 300 steps trained in 68 s on a quiet 2-core
-machine, 2 min 12 s with the install in a fresh venv (measured 2026-12-01; 118 s at
-load average ~3 on 2026-11-29; the results are identical run to run);
-``--size tiny`` is a few seconds' smoke test; ``--size medium`` wants an accelerator.
-
-References:
-  Joo et al., On Surprising Effectiveness of Masking Updates in Adaptive Optimizers,
-  arXiv 2602.15322 (2026).
+``python3 -m magma_optax.demo`` trains :mod:`magma_optax.demo.llama` twice from one
+initialisation on the same batches of :mod:`magma_optax.demo.corpus` -- with Adam
+and with ``magma.magma(optax.adam(lr), where=magma.attention_mlp_weights)`` at the
+paper's defaults, both at the same peak learning rate -- then prints each run's final
+validation loss and perplexity and writes a PNG of the loss curves. It is a taste,
+not evidence: ``benchmarks/RESULTS.md`` has the sweeps and controls.
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
-"""Learnable weight scaling for sparse layers, and knowledge distillation.
+"""Learnable weight scaling over a parameter mask, as Flax NNX layers.
 
-A pruned projection computes with ``W_eff = A * (W * M)``: the kernel ``W`` (shape
-``(in, out)``), the parameter mask ``M`` (from :func:`magma_optax.periodic_mask`) and a
-learnable scale ``A`` that gives back the magnitude pruning removes. ``A`` is broadcast
-over the kernel and has one entry
-
-* ``scale="layer"``: per layer (a scalar);
-* ``scale="channel"``: per output channel (shape ``(out,)``);
-* ``scale="head"``: per attention head, ``num_heads`` entries; heads split the output
-  features (Q/K/V projections, ``head_axis="out"``) or the input features (the output
-  projection, ``head_axis="in"``) into ``num_heads`` equal slices.
-
-``A`` starts at 1, so a fresh layer equals a plain dense layer. The mask is a
-non-trainable :class:`SparsityMask` variable (all-ones at first, not an ``nnx.Param``,
-so optimizers over ``nnx.Param`` do not see it); set it from the optimizer state with
-:func:`assign_masks`, or pass ``mask=`` to the call. With ``straight_through=True`` the
-forward pass uses ``W * M`` while the gradient reaches every entry of ``W``
-(``W + stop_gradient(W * M - W)``), so importance scores such as ``|g|`` can regrow
-pruned weights.
-
-:func:`knowledge_distillation_loss` trains a sparse student against a dense teacher
-(KL divergence between temperature-softened distributions, Hinton et al. 2015).
+``W_eff = A * (W * M)`` with ``A`` per layer, output channel or head
+(:class:`ScaledMaskedLinear`, :class:`ScaledMaskedDense`); the mask ``M`` is a
+:class:`SparsityMask` variable that :func:`assign_masks` fills from
+``periodic_mask``'s state. :func:`knowledge_distillation_loss` is the teacher-student
+loss of sparse fine-tuning.
 """
 
 from __future__ import annotations

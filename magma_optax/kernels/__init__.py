@@ -1,12 +1,13 @@
 """Fused kernels: one Adam + mask + per-block scale pass, with Magma's partial sums.
 
-Layout as in levanter's kernels: :mod:`api` is the entry point
-(:func:`masked_adam`, with ``implementation=``), :mod:`reference` the plain-jnp
-version (the XLA path), :mod:`pallas_gpu` the Pallas kernel, :mod:`partitioned` the
-kernel on sharded leaves (one call per shard), :mod:`config` the block sizes;
-:mod:`tiles` (:func:`tile_adam`) the Adam step over compact tile storage that
-visits only the active tiles (:mod:`pallas_tiles` its kernel).
-Importing this package does not need a GPU.
+:func:`masked_adam` (:mod:`~magma_optax.kernels.api`, with ``implementation=``:
+:mod:`~magma_optax.kernels.dispatch`) runs the XLA reference
+(:mod:`~magma_optax.kernels.reference`) or a Pallas kernel named as
+``dispatch.pallas_backend()`` names it (:mod:`~magma_optax.kernels.triton`,
+:mod:`~magma_optax.kernels.mosaic_gpu`, :mod:`~magma_optax.kernels.mosaic_tpu`), per
+shard on sharded leaves (:mod:`~magma_optax.kernels.partitioned`); :func:`tile_adam`
+is Adam over the active tiles of compact tile storage. Knows nothing of masking,
+pruning or sparse state; importing it needs no GPU.
 """
 
 from magma_optax.kernels.api import PendingAdam

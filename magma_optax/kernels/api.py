@@ -235,7 +235,7 @@ def start_masked_adam(
 
   Args:
     with_sums: compute this step's per-block ``(<m_t, g>, ||m_t||^2, ||g||^2)``
-      (ordered for the implementation as the module docstring says); ``False``
+      (ordered for the implementation: ``docs/design/internals.md``); ``False``
       for a plain masked Adam step.
 
   Returns:
@@ -345,13 +345,13 @@ def carried_sums(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """``(<m_t, g>, ||m_t||^2, ||g||^2)`` reading m_t and g once: two reductions.
 
-  ||m_t||^2 comes from the carried ||m_{t-1}||^2 (module docstring). Where that
-  recursion is not finite (a float32 sum overflowed, here or in the carry), or
-  cancels -- ||m_t||^2 below ``2**-CANCELLATION_BITS`` of its terms' magnitudes,
-  where the difference has lost the digits a direct sum keeps -- the result is
-  NaN, not a clipped ``inf - inf`` or a rounding error, so that the caller knows
-  to sum such blocks directly (``adam_magma`` does, in
-  ``_alignment.settle_sums``; :func:`masked_adam` in :func:`sums_where_lost`).
+  ||m_t||^2 comes from the carried ||m_{t-1}||^2 (``docs/design/internals.md``).
+  Where that recursion is not finite (a float32 sum overflowed, here or in the
+  carry), or cancels -- ||m_t||^2 below ``2**-CANCELLATION_BITS`` of its terms'
+  magnitudes, where the difference has lost the digits a direct sum keeps -- the
+  result is NaN, not a clipped ``inf - inf`` or a rounding error, so that the caller
+  knows to sum such blocks directly (``adam_magma`` does, in the alignment rule's
+  ``settle_sums``; :func:`masked_adam` in :func:`sums_where_lost`).
   """
   m = mu.astype(jnp.float32)
   g = grad.astype(jnp.float32)
@@ -383,7 +383,8 @@ def derived_sums(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """This step's ``(<m_t, g>, ||m_t||^2, ||g||^2)`` from m_{t-1} and g (no m_t).
 
-  One reduction pass over (m_{t-1}, g) and the algebra in the module docstring;
+  One reduction pass over (m_{t-1}, g) and the algebra of
+  ``docs/design/internals.md``;
   over the existing entries only when ``param_mask`` is given (there m_t follows
   the EMA; elsewhere it is not counted). ``||m_t||^2`` is NaN in blocks where the
   algebra cancels or overflows (see :func:`carried_sums`): sum those directly. The

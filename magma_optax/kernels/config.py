@@ -1,17 +1,7 @@
-"""Block sizes of the fused masked-Adam kernel: one frozen config and its heuristic.
+"""Block sizes of the Pallas kernels: a frozen config with a heuristic.
 
-The Pallas kernel sees every leaf as a 2-D array of shape ``(rows, block_cols)``:
-each mask block (``num_blocks`` of ``block_size`` entries, contiguous in memory) is
-padded to a multiple of ``block_cols`` and cut into rows of that width, and the grid
-walks over tiles of ``block_rows`` rows. Both sizes are powers of two (Triton needs
-them). A tile of 4096 entries keeps the six f32 streams of one program in registers
-on current GPUs; small leaves get smaller tiles so that padding stays small.
-
-The TPU kernel (:mod:`magma_optax.kernels.pallas_tpu`) reads the same two fields its
-own way -- ``block_cols`` is the row length when a block spans several rows,
-``block_rows`` the rows of a tile, a multiple of the dtype's sublanes -- and without
-them plans its tiles itself (``pallas_tpu.plan_tiles``: TPU rows need not be powers
-of two, and the plan avoids padding copies).
+:class:`BlockSizes` holds the rows and columns of a kernel's tile;
+:meth:`BlockSizes.get_default` picks them from a leaf's block size and count.
 """
 
 from __future__ import annotations

@@ -26,10 +26,9 @@ INTERPRETERS = (False, True, "tpu", "gpu")
 
 
 # Tried in order when implementation=None. XLA only until benchmarks/gpu_check.py and
-# benchmarks/tpu_check.py have measured the Pallas kernels on a real GPU / TPU (they
-# have run only in interpreters so far, and the byte count -- benchmarks/RESULTS.md --
-# suggests XLA may be as fast): a default must never be the first place an unverified
-# kernel compiles. Ask for "pallas" explicitly to use one.
+# benchmarks/tpu_check.py have measured the Pallas kernels on a real GPU / TPU: a
+# default must never be the first place an unverified kernel compiles. Ask for
+# "pallas" explicitly to use one.
 DEFAULT_IMPLEMENTATIONS = ("xla",)
 
 
@@ -159,7 +158,7 @@ def resolve_implementation(
   layout: _blocks.BlockLayout,
   interpret: bool | str = False,
 ) -> str:
-  """The implementation that will run (see the module docstring).
+  """The implementation that will run: the first of ``implementation`` that can.
 
   Raises:
     ValueError: if an explicitly requested implementation (or every one of a

@@ -1,42 +1,12 @@
-"""The fused masked-Adam step as a Mosaic GPU kernel (Hopper; its interpreter on CPU).
+"""The fused masked-Adam step as a Mosaic GPU kernel (Hopper GPUs, jax >= 0.12).
 
-Why a second GPU kernel: jax 0.11 deprecated Pallas' Triton backend ("migrate to
-the Mosaic GPU backend"), so on a current jax every Triton kernel lowered warns, and
-the backend will go. Mosaic GPU is where jax's own GPU kernels went
-(``jax.experimental.pallas.ops.gpu.*_mgpu``), but it targets Hopper (sm_90: H100,
-H200) and newer, and its interpreter (``plgpu.InterpretGPUParams``) is public only
-from jax 0.12. So ``implementation="pallas"`` on a GPU selects (:mod:`api`):
-
-* Mosaic GPU (this module) on a Hopper-class GPU with jax >= 0.12;
-* Triton (:mod:`pallas_gpu`) where it is the only option: jax < 0.12 (0.10.x is
-  the last line for Python 3.11; there Mosaic GPU's Pallas API and interpreter are
-  not public) and GPUs older than Hopper (Ampere, Ada), which Mosaic GPU does not
-  target. Only these users lower a Triton kernel (on jax >= 0.11 with jax's
-  deprecation warning), so the warning reaches no one who did not need Triton.
-
-The kernel is the simplest correct one: the leaf in the row layout of
-:mod:`pallas_gpu` (each mask block padded to whole rows of ``block_cols``, rows
-padded to whole tiles of ``block_rows``), a 1-D grid, and per tile explicit TMA
-copies of g, m, v (mask, params) and of the four hyperparameters from GMEM to SMEM,
-the step in registers, m', v' and the update written over the SMEM copies of m, v
-and g, and copies back to GMEM (m and v are aliased to m' and v'). The three per-row
-f32 sums are written per row and summed per block after the kernel (a tiny XLA
-reduction), as in :mod:`pallas_gpu`. On a GPU each program (CTA) takes one tile; in
-the interpreter one program takes all tiles in turn, because jax 0.12.0's GPU
-interpreter keeps the writes of the first program only (the same code with one
-program; see ``num_programs``).
-
-Every copy takes whole rows of a contiguous array, so Mosaic GPU emits bulk TMA
-copies (``cp.async.bulk``: no 256-element box limit), which move whole multiples
-of 16 bytes: tiles have at least 4 rows and 16 entries.
-
-What is not done (no Hopper GPU has run it yet; ``benchmarks/gpu_check.py`` does):
-no software pipelining across tiles (one tile per CTA, no overlap of the copies of
-the next tile with this one's math), no warp specialisation, and the tile shapes
-are the Triton heuristic's, not tuned for TMA. Mosaic GPU's compiler may reject a
-layout the interpreter accepts (per-row reductions, the row-scale broadcast); such a
-failure is a clear lowering error at the first call, never a wrong result, and
-``implementation="xla"`` (the default) is unaffected.
+The simplest correct kernel: the leaf in the row layout of
+:mod:`magma_optax.kernels.rows`, a 1-D grid, and per tile TMA copies of g, m, v (the
+mask, the params) to shared memory, the step in registers, and copies of m', v' and
+the update back (m, v aliased to m', v'); the per-row sums are added per block after
+it. ``interpret="gpu"`` runs it in ``plgpu.InterpretGPUParams()``;
+``benchmarks/gpu_check.py`` compiles it on a Hopper GPU. Why a second GPU kernel,
+and what is not done: ``docs/design/internals.md``.
 """
 
 from __future__ import annotations
@@ -193,9 +163,9 @@ def masked_adam_pallas_mgpu(
   if params is not None:
     inputs.append(rows_of(params))
   num_tiles = num_rows // rows
-  # One tile per program on a GPU. jax 0.12.0's GPU interpreter keeps the writes of
-  # program 0 only (those of programs 1.. never reach the outputs), so there one
-  # program walks over all tiles: the same code, with P = 1.
+  # One tile per program on a GPU. The GPU interpreter keeps the writes of program
+  # 0 only (docs/design/internals.md), so there one program walks over all tiles:
+  # the same code, with P = 1.
   num_programs = 1 if interpret else num_tiles
   gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
   sums_shape = jax.ShapeDtypeStruct((num_rows,), jnp.float32)

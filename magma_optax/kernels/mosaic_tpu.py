@@ -1,44 +1,11 @@
 """The fused masked-Adam step as a Mosaic TPU kernel (TPU; its interpreter on CPU).
 
-Same inputs, outputs and math as :func:`reference.masked_adam_reference` (see
-:mod:`magma_optax.kernels.pallas_gpu` for the per-entry work). What differs is how
-the leaf is laid out and how the per-block sums are formed, because Mosaic needs
-both done its way:
-
-* **Two views of a leaf**, both with each mask block contiguous (``"tensor"``,
-  ``"row"``, ``"element"`` and stacked layouts), ``bs`` entries per block
-  (:func:`plan_tiles` picks the view and the tile):
-
-  - short blocks: the leaf is ``(num_blocks, bs)``, one block per row, and a tile
-    is ``(rows, bs)`` -- ``rows`` blocks. The last dimension is the array's whole
-    last dimension, so no column is padded; blocks are padded to a multiple of
-    ``rows`` only when no legal ``rows`` divides their number.
-  - long blocks: the leaf is ``(num_blocks, R, cols)`` with each block cut into
-    ``R`` rows of ``cols`` entries (a multiple of 128 that divides ``bs``, or the
-    leaf's last dimension; padded only when neither exists), and a tile is
-    ``(1, rows, cols)``: one block's rows.
-
-  ``rows`` is a multiple of the sublane count of the narrowest streamed dtype
-  (8 for 32-bit, 16 for 16-bit, 32 for the int8 parameter mask) or the whole
-  dimension; the last dimension of a tile is the array's whole last dimension:
-  TPU-legal tiles (:func:`check_tiles` says why an explicit request is not).
-* **Sums over the grid**: the grid is ``(block tiles, tiles per block)`` with
-  dimension semantics ``("parallel", "arbitrary")``. The three f32 per-block sums
-  are outputs whose block index depends only on the first axis, so Mosaic keeps
-  them in VMEM while the second axis walks over one block's tiles: they are zeroed
-  at its first step and accumulated at every step, and written back once.
-* **Scalars in SMEM**: ``hyper = [lr, bc1, bc2, weight_decay]`` is a scalar-prefetch
-  operand (``PrefetchScalarGridSpec``), read as scalars; the per-block scale is a
-  small VMEM operand of the sums' shape.
-
-m and v are aliased to m' and v'. Blocks smaller than a vector register's 128
-lanes (``"element"`` granularity, short rows) leave most lanes idle: correct, but
-use ``implementation="xla"`` for those on a TPU.
-
-``interpret="tpu"`` runs the kernel in ``pltpu.InterpretParams()`` on CPU: the
-TPU interpreter, which keeps Mosaic's memory spaces (HBM, VMEM, SMEM), the grid
-order of "arbitrary" axes and the output write-back. It does not check layouts
-the way the Mosaic compiler does; ``benchmarks/tpu_check.py`` compiles it on a TPU.
+The per-entry work is :mod:`magma_optax.kernels.triton`'s; the layout is TPU's: the
+leaf is seen with each block contiguous, one block per row or one block's rows per
+tile (:func:`plan_tiles`, TPU-legal tiles), the grid's second, ``"arbitrary"`` axis
+walks one block's tiles while its three sums accumulate in VMEM, and the
+hyperparameters are scalar-prefetch operands in SMEM. ``interpret="tpu"`` runs it in
+``pltpu.InterpretParams()``; ``benchmarks/tpu_check.py`` compiles it on a TPU.
 """
 
 from __future__ import annotations
@@ -57,7 +24,7 @@ from magma_optax.kernels import rows as _rows
 
 LANES = 128
 MAX_ROW = 4096  # entries of one row of a long block
-TILE_ENTRIES = 1 << 17  # ~9 MB of double-buffered VMEM tiles: under 16 MB scoped
+TILE_ENTRIES = 1 << 17  # double-buffered tiles within the default scoped VMEM
 
 
 def sublanes(*dtypes) -> int:
@@ -100,7 +67,7 @@ def plan_tiles(
   sub: int,
   block_sizes: config_lib.BlockSizes | None = None,
 ) -> tuple[int | None, int]:
-  """``(cols, rows)`` of the kernel's view of a leaf (see the module docstring).
+  """``(cols, rows)`` of the kernel's view of a leaf (``docs/design/internals.md``).
 
   ``cols is None``: one block per row, tiles of ``rows`` blocks. Else each block is
   rows of ``cols`` entries and a tile is ``rows`` of them. ``block_sizes`` given:

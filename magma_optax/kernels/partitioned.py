@@ -1,52 +1,12 @@
-"""The Pallas kernels on sharded leaves: one kernel per shard, no gathered tensor.
+"""The Pallas kernels on sharded leaves: one kernel per shard, no leaf gathered.
 
-``backend`` names the kernel that runs per shard: ``"triton"``
-(:mod:`pallas_gpu`), ``"mosaic_tpu"`` (:mod:`pallas_tpu`) or ``"mosaic_gpu"``
-(:mod:`pallas_mgpu`); all three take the same arguments and return the same
-outputs, so the partitioning below is the same for each.
-
-A ``pallas_call`` is opaque to XLA's SPMD partitioner: on a leaf sharded over a mesh
-XLA would gather the whole leaf to every device and run the kernel on it there --
-what ``DESIGN.md`` section 6 forbids. :func:`masked_adam_pallas_partitioned` wraps the
-kernel in ``jax.experimental.custom_partitioning``: when the step is partitioned, each
-device runs the kernel on its own shard of g, m, v (and of the parameter mask and the
-params) with the block layout of that shard, and the per-block partial sums are
-all-reduced (``psum``) over the mesh axes that split a block -- block-sized values
-only. The leaf keeps the gradient's partition spec; the per-block scale and sums get
-it restricted to the axes that index blocks.
-
-* Which spec: the first of g, m, v, the mask and the params that splits the leaf
-  (a ZeRO-style step with a replicated gradient keeps the moments' layout); the
-  moments and the update come back with it.
-* One device, or inside ``shard_map`` (all mesh axes manual): the kernel runs as is
-  (``custom_partitioning`` inlines it; under ``shard_map`` the blocks are the local
-  shard's, as for every transform of this package, see :mod:`magma_optax.sharding`;
-  pass ``check_vma=False`` to ``shard_map``, ``pallas_call`` outputs carry no
-  varying-axes type).
-* ``jax.vmap``: a ``custom_vmap`` rule maps the unpartitioned kernel (the
-  partitioner has no batching rule), so a vmapped step on sharded leaves may gather;
-  on Explicit axes a batch axis that is itself sharded fails in ``pallas_call``'s
-  batching rule. The Triton kernel is batched by ``pallas_call``'s rule (one more
-  grid axis); the Mosaic kernels run once per example (``lax.map``), because that
-  rule breaks the TPU kernel's dimension semantics and the Mosaic GPU kernel's
-  arguments.
-* A 1-D tile granularity (``(t,)``) splits the last axis into blocks of ``t``; that
-  axis stays sharded when every shard holds whole tiles, else the kernel sees it
-  whole (gathered along that axis: the one case that moves a parameter-sized array
-  between devices) and each device keeps its part of the outputs.
-
-Interpreted Mosaic kernels (``interpret="tpu"`` / ``"gpu"``, CPU tests): those
-interpreters sequence the simulated device with *ordered* callbacks, an effect
-``custom_partitioning`` cannot lower, so on Auto axes (and on one device) they run
-unpartitioned -- XLA gathers a sharded leaf for them, which on the CPU simulation
-costs only time; on Explicit axes they run per shard under ``shard_map`` as above.
-Compiled kernels (``interpret=False``) have no effects and partition as described.
-
-Not supported (use ``implementation="xla"``): meshes that mix Explicit and Auto axes
-(the leaf is gathered along the Auto axes), and shardings the partitioner cannot name
-on a ``Mesh`` (a ``GSPMDSharding`` without a mesh context raises).
-
-Needs the Shardy partitioner (JAX's default since 0.7) for the sharding rule.
+A ``pallas_call`` is opaque to XLA's partitioner, which would gather a sharded leaf
+to run it. :func:`masked_adam_pallas_partitioned` wraps the backend's kernel
+(:func:`kernel_for`: ``"triton"``, ``"mosaic_tpu"`` or ``"mosaic_gpu"``) in
+``custom_partitioning``: each device runs it on its own shard with that shard's
+block layout, and the per-block partial sums are ``psum``-ed over the mesh axes
+that split a block. Where it cannot partition (vmap, interpreted Mosaic kernels,
+mixed axis types): ``docs/design/internals.md``.
 """
 
 from __future__ import annotations
@@ -299,7 +259,7 @@ def masked_adam_pallas_partitioned(
   """The kernel of ``backend`` run per shard on sharded leaves.
 
   Same arguments and result as :func:`triton.masked_adam_pallas` (see the
-  module docstring for what happens under sharding, ``shard_map`` and ``vmap``);
+  ``docs/design/internals.md`` for what happens under ``shard_map`` and ``vmap``);
   ``interpret`` runs that kernel in its backend's interpreter (the generic one for
   ``"triton"``).
 

@@ -1,27 +1,10 @@
-"""The fused masked-Adam step in plain ``jax.numpy``: the reference and the XLA path.
+"""The fused masked-Adam step in plain ``jax.numpy``: the XLA path and the reference.
 
-One step over a leaf with gradient g, first and second moments m, v, per-block scale
-``scale`` (Magma's s_t z_t; 1 for plain Adam) and optional per-element parameter mask
-M (which weights exist)::
-
-    m'  = (1 - b1) g + b1 m                       v' = (1 - b2) g^2 + b2 v
-    u   = (m' / bc1) / (sqrt(v' / bc2 + eps_root) + eps)   [+ weight_decay * p]
-    out = scale_b * (-lr * u)                      bc_i = 1 - b_i^t
-    sums per block: <m', g>,  ||m'||^2,  ||g||^2   (Magma's cosine)
-
-with the expressions in optax's order, so that for float32 inputs the moments and the
-update equal ``optax.adam`` / ``optax.adamw`` composed with a block mask. Where M is
-False the entry does not exist: its moments stay frozen, its update is 0 and it is
-left out of the sums.
-
-Everything is computed in float32 and cast back: moments to their own dtype, the
-update to the gradient's dtype, the sums stay float32. (``optax.adam`` on bfloat16
-inputs computes in bfloat16; here bfloat16 is a storage format only.)
-
-``hyper`` is the float32 vector ``[learning_rate, bc1, bc2, weight_decay]`` built by
-:func:`hyperparams`: the values that may change every step (schedules, the step
-count) travel as data, so a kernel compiles once. ``b1``, ``b2``, ``eps`` and
-``eps_root`` are static (:class:`AdamConstants`).
+Adam's moments and update (:func:`moments`, :func:`update`), masked entries kept
+frozen, the per-block scale applied, and the three per-block partial sums of Magma's
+cosine (:func:`partial_sums`); :func:`masked_adam_reference` is the whole step. The
+Pallas kernels compute the same per tile (:func:`tile_adam`) and are tested against
+it.
 """
 
 from __future__ import annotations
@@ -165,7 +148,7 @@ def update(
   param_mask: jax.Array | None = None,
   dtype: Any = jnp.float32,
 ) -> jax.Array:
-  """The masked update from the float32 new moments (see the module docstring)."""
+  """The masked update from the float32 new moments (:func:`masked_adam_reference`)."""
   mu_hat = new_mu / hyper[BIAS_CORRECTION1]
   nu_hat = new_nu / hyper[BIAS_CORRECTION2]
   u = mu_hat / (jnp.sqrt(nu_hat + constants.eps_root) + constants.eps)
@@ -191,7 +174,22 @@ def masked_adam_reference(
   param_mask: jax.Array | None = None,
   params: jax.Array | None = None,
 ) -> MaskedAdamOutput:
-  """One fused masked-Adam step in plain jnp (see the module docstring).
+  """One fused masked-Adam step in plain jnp.
+
+  With gradient g, moments m, v, per-block ``scale`` (Magma's s_t z_t; 1 for plain
+  Adam) and the optional parameter mask M (which weights exist)::
+
+      m'  = (1 - b1) g + b1 m                       v' = (1 - b2) g^2 + b2 v
+      u   = (m' / bc1) / (sqrt(v' / bc2 + eps_root) + eps)   [+ weight_decay * p]
+      out = scale_b * (-lr * u)                      bc_i = 1 - b_i^t
+      sums per block: <m', g>,  ||m'||^2,  ||g||^2   (Magma's cosine)
+
+  in optax's order, so that for float32 inputs the moments and the update equal
+  ``optax.adam`` / ``optax.adamw`` composed with a block mask. Where M is False the
+  entry does not exist: its moments stay frozen, its update is 0 and it is left out
+  of the sums. Everything is computed in float32 and cast back (moments to their
+  dtype, the update to the gradient's). ``hyper`` carries what may change every step
+  as data (:func:`hyperparams`), so a kernel compiles once.
 
   Args:
     grad, mu, nu: the gradient and Adam's moments (same shape).

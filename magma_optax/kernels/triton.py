@@ -1,24 +1,11 @@
 """The fused masked-Adam step as a Pallas Triton kernel (GPU; interpreter on CPU).
 
-One pass over memory per leaf: each program loads a tile of g, m, v (and p for weight
-decay, the parameter mask where given), computes the new moments, the masked update
-and the three per-row partial sums of Magma's cosine in float32 registers, and stores
-m', v', the update and the partial sums. m and v are aliased to m' and v' (in place
-when the caller donates them). The partial sums of a block are the sum of its rows'
-sums (a tiny XLA reduction after the kernel).
-
-Layout: the leaf is seen as ``(num_blocks, block_size)`` -- which requires each mask
-block to be contiguous in memory (``"tensor"``, ``"row"``, ``"element"`` and any
-``stack_axes``; not ``"column"`` or tiles) -- every block is padded to a multiple of
-``block_cols`` and cut into rows, and rows are padded to a multiple of ``block_rows``.
-Padding copies the leaf, so it costs bandwidth; sizes that are multiples of the tile
-need none. The parameter mask travels as int8 (Triton loads bytes, not bits).
-
-This kernel runs where Triton is the only option (jax < 0.12, GPUs older than
-Hopper; see :mod:`pallas_mgpu` for why) and under the generic Pallas interpreter
-(``interpret=True``). TPUs get :mod:`pallas_tpu` (Mosaic needs (8, 128) tiles and
-sums accumulated over an "arbitrary" grid axis: a different kernel), Hopper GPUs
-on jax >= 0.12 get :mod:`pallas_mgpu`.
+One pass over memory per leaf: each program loads a tile of g, m, v (and p for
+weight decay, the parameter mask where given), computes the new moments, the masked
+update and the three per-row partial sums of Magma's cosine in float32, and stores
+them (m, v aliased to m', v'). The leaf is seen as rows of its blocks
+(:mod:`magma_optax.kernels.rows`). It runs where Triton is the only option and under
+the generic Pallas interpreter (``interpret=True``).
 """
 
 from __future__ import annotations
@@ -88,7 +75,7 @@ def masked_adam_pallas(
   Raises:
     ValueError: if the layout's blocks are not contiguous.
   """
-  pl = _compat.pallas()  # lazy: ~0.1 s, only when used
+  pl = _compat.pallas()  # imported on first use
 
   layout = layout or reference.tensor_layout(grad.shape)
   _rows.check_contiguous(layout)

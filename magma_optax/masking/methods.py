@@ -1,29 +1,9 @@
-"""The paper's methods as wrappers: the base runs densely, its update is masked.
+"""The paper's two methods as wrappers of a base optimizer: Magma and SkipUpdate.
 
-``magma(base)`` and ``skip_update(base)`` implement Algorithm 1 of arXiv 2602.15322:
-the base optimizer (Adam, RMSProp, SGD with momentum, Lion, Muon, ...) sees every
-gradient and updates *all* of its moments ("dense moments"); only the update it
-returns is masked per block. The effective step is about 0.25x the base's at the
-defaults (p = 0.5 and scores near 0.5), so re-tune the learning rate: the paper's best
-learning rate for Adam+Magma is larger than Adam's.
-
-Momentum for Magma's cosine (the contract of ``momentum="auto"``): the wrapper reads
-the base optimizer's own first moment after its update only where that buffer is known
-to be an EMA of the raw gradient, in the gradient's sign:
-
-* a ``mu`` field of a state (Adam, AdamW, AMSGrad, NAdam, RAdam, Lion, AdaBelief,
-  Muon, ...: optax names its first-moment EMAs ``mu``);
-* the ``trace`` of ``optax.trace`` when it comes *first* in its ``optax.chain``, i.e.
-  before the learning-rate scaling (``optax.sgd(lr, momentum=...)``). optax's
-  ``rmsprop(momentum=...)`` and ``lars`` keep their trace *after* the scaling, where
-  it points against the gradient: taking it would invert Magma's score, so there
-  (and for any trace elsewhere in a chain) the buffer is not used;
-
-and only for leaves whose shape matches the parameter. Every other leaf gets the
-wrapper's own EMA of the gradient (``momentum_decay``), never a guessed buffer; no
-second momentum buffer is allocated where the base already has one. To name the
-buffer yourself, pass ``momentum=`` a callable ``inner_state -> pytree like the
-params`` (``optax.MaskedNode`` or ``None`` where there is none).
+:func:`magma` runs the base densely and masks its update per block, scaled by the
+alignment score (reading the base's first moment where it is an EMA of the raw
+gradient); :func:`skip_update` keeps each block with probability ``p``, rescaled by
+``1/p``. Both keep the base's state in :class:`MaskedUpdateState`.
 """
 
 from __future__ import annotations

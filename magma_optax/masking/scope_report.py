@@ -4,7 +4,7 @@ paper's attention + MLP scope finds no attention or no MLP in a model.
 :func:`scope_report` plans the leaves exactly as the transforms do
 (``_scoping.plan_leaves``: the same ``where``, ``labels``, ``keep_prob``,
 ``granularity`` and ``stack_axes``), on the host, outside any jitted step.
-:func:`magma_optax._labels.warn_if_scope_misses` is what ``plan_leaves`` calls when
+:func:`magma_optax._core.labels.warn_if_scope_misses` is what ``plan_leaves`` calls when
 the scope is decided by :func:`magma_optax.attention_mlp_weights` or by the default
 labels with per-label keep probabilities.
 """

@@ -1,23 +1,8 @@
 """Importance scores: how much each weight matters, for the pruning masks.
 
-:func:`magma_optax.periodic_mask` keeps the entries of highest importance. An
-importance is one of
-
-* ``"magnitude_grad"`` (default): ``|W| * |g|``, the saliency CAST uses;
-* ``"magnitude"``: ``|W|`` (gradual magnitude pruning);
-* a callable ``(param, grad) -> scores`` of the leaf's shape (e.g. ``|g|`` for
-  gradient-based regrowth).
-
-Scores are float32; NaN scores become ``-inf`` (they rank last) and ``-0.0``
-becomes ``+0.0`` (so that the two tie in the order-preserving keys of
-:mod:`magma_optax._topk`).
-
-Example:
-  >>> import jax.numpy as jnp
-  >>> from magma_optax.pruning import importance as _importance
-  >>> w, g = jnp.array([1.0, -2.0, jnp.nan]), jnp.array([3.0, 0.5, 1.0])
-  >>> _importance.scores("magnitude_grad", w, g).tolist()
-  [3.0, 1.0, -inf]
+``"magnitude_grad"`` (default, ``|W| * |g|``), ``"magnitude"`` (``|W|``) or a
+callable ``(param, grad) -> scores``. Scores are float32; NaN becomes ``-inf`` (it
+ranks last) and ``-0.0`` becomes ``+0.0`` (the two tie).
 """
 
 from __future__ import annotations
@@ -51,8 +36,15 @@ def scores(
   """Per-entry f32 importance of ``param`` (higher = keep); NaN -> ``-inf``.
 
   ``nan_last=False`` leaves NaN (and -0.0) as they are, for a caller that sums the
-  scores and handles NaN in the sums (:func:`magma_optax._topk.tile_sum`): a
+  scores and handles NaN in the sums (:func:`magma_optax.pruning.topk.tile_sum`): a
   select before the sum makes XLA:CPU write every score to memory first.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from magma_optax.pruning import importance as _importance
+    >>> w, g = jnp.array([1.0, -2.0, jnp.nan]), jnp.array([3.0, 0.5, 1.0])
+    >>> _importance.scores("magnitude_grad", w, g).tolist()
+    [3.0, 1.0, -inf]
   """
   p = param.astype(jnp.float32)
   g = grad.astype(jnp.float32)

@@ -1,17 +1,8 @@
-"""AdamS-style decay of *pruned* weights, added to the gradient before the optimizer.
+"""Weight decay of masked weights (AdamS-style), ramped up over training.
 
-With the parameter mask ``M`` (extra argument ``param_mask=``, as
-:func:`magma_optax.periodic_mask` passes it) and coefficient ``lambda_t``::
-
-    g <- g + lambda_t * (1 - M) * W,       lambda_t = strength * min(t / ramp_steps, 1)
-
-The term is added to the gradient, *before* the base optimizer, so it enters Adam's
-second moment and is normalised like the gradient (adaptive, as in AdamS / CAST),
-unlike AdamW's decoupled decay. Pruned weights are pulled towards zero gradually
-instead of being cut. This matters when the pruned weights are not already zero --
-e.g. a model that multiplies by the mask in its forward pass while the stored weights
-stay dense; under :func:`periodic_mask`, whose pruned weights are exactly zero after
-each step, the term vanishes on those weights.
+:func:`masked_weight_decay` adds ``lambda_t * W`` to the gradient of the weights
+that ``param_mask`` prunes, with ``lambda_t`` ramping linearly; placed before the
+base optimizer, its term enters the second moment.
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
-"""Sparsity schedules: the target fraction of pruned weights as a function of the step.
+"""Sparsity schedules: the target sparsity of :func:`magma_optax.periodic_mask` over
+time.
 
-:func:`magma_optax.periodic_mask` takes its target sparsity as a float or an
-``optax.Schedule``. The ramps here are optax's own schedules with the sparsity's
-checks added: :func:`polynomial_sparsity_schedule` is ``optax.polynomial_schedule``
-(Zhu & Gupta's gradual pruning, cubic by default) and :func:`linear_sparsity_schedule`
-is ``optax.linear_schedule``, both returning float32. ``periodic_mask``'s
-``schedule="linear" | "cubic"`` shorthand builds one of them from ``start`` to ``end``
-(:func:`ramp`).
-
-Rule for schedules that leave the range: a schedule is checked at step 0 when the
-transform is built, and its value is clipped to [0, 1] wherever it is evaluated
-(``_schedules.evaluate_fraction``): a custom schedule that overshoots to 1.5 prunes
-every scoped weight (as 1.0 does), one that goes below 0 prunes nothing; it never
-yields a negative count or more pruned weights than exist.
-
-Example:
-  >>> import magma_optax as magma
-  >>> sched = magma.polynomial_sparsity_schedule(0.5, begin_step=0, end_step=10)
-  >>> [round(float(sched(t)), 4) for t in (0, 5, 10, 20)]
-  [0.0, 0.4375, 0.5, 0.5]
+:func:`polynomial_sparsity_schedule` (``optax.polynomial_schedule``: Zhu & Gupta's
+gradual pruning, cubic by default) and :func:`linear_sparsity_schedule`
+(``optax.linear_schedule``) with the sparsity's checks; any ``optax.Schedule`` works,
+checked at step 0 and clipped to [0, 1] wherever it is evaluated.
 """
 
 from __future__ import annotations

@@ -1,32 +1,11 @@
 """Exact top-k masks: which entries of a score tree to keep.
 
-The search behind :func:`magma_optax.periodic_mask`. :func:`top_k_masks` keeps
-exactly ``k`` entries of a list of score arrays (leaves concatenated in order),
-never a quantile estimate. Ties are broken deterministically: higher score first,
-then entries that are active in the current mask (no churn among equals), then the
-lower flat index (over several leaves: leaves in order). NaN scores rank last (the
-caller maps them to ``-inf``, see :mod:`magma_optax._importance`).
-
-The k-th score is found with counting reductions only (no sort, no cumulative sum):
-a bracket from a small grid sample, then interpolation and bisection steps, each
-counting the scores above one candidate. Sharded leaves are never gathered (only
-the ~4096-entry sample is). :func:`count_true` is the counting pass, tuned for
-XLA:CPU.
-
-:func:`n_m_mask` is the N:M variant: every group of ``m`` consecutive entries along
-an axis keeps exactly ``n``, with the same tie-breaking inside a group. Tiles
-(:func:`tile_sum`, :func:`tile_any`, :func:`untile`) rank whole ``r x c`` tiles of
-the last two axes with the same search: one summed score per tile.
-
-Example:
-  >>> import jax.numpy as jnp
-  >>> from magma_optax.pruning import topk as _topk
-  >>> score = jnp.ones(4)
-  >>> active = jnp.array([False, True, False, True])
-  >>> _topk.top_k_mask(score, active, jnp.int32(3)).tolist()  # all tie: active first
-  [True, True, False, True]
-  >>> _topk.n_m_mask(jnp.array([[4.0, 1.0, 3.0, 2.0]]), active[None], 2, 4, -1).tolist()
-  [[True, False, True, False]]
+The search behind :func:`magma_optax.periodic_mask`: :func:`top_k_masks` keeps
+exactly ``k`` entries of a list of score arrays (never a quantile estimate), ties
+broken by the higher score, then entries active in the current mask, then the lower
+flat index. The k-th score is found by counting passes only (no sort), so sharded
+leaves are never gathered. :func:`n_m_mask` keeps ``n`` of every ``m`` along an
+axis; :func:`tile_sum` and :func:`untile` rank whole tiles.
 """
 
 from __future__ import annotations
@@ -54,9 +33,9 @@ _EXACT_F32 = 2**24  # float32 holds every integer up to here exactly
 def _sum_exact(x: jax.Array, top: int) -> jax.Array:
   """Sum of the integers ``0 <= x <= top``, as int32.
 
-  Summed in float32, which XLA:CPU vectorises (an int32 sum runs ~2.6x slower there):
-  exact, in any order, while every partial sum stays <= 2**24. Larger arrays add the
-  float32 sums over their trailing axes (each <= 2**24) in int32. No reshape, so
+  Summed in float32, which XLA:CPU vectorises (an int32 sum it does not): exact, in
+  any order, while every partial sum stays <= 2**24. Larger arrays add the float32
+  sums over their trailing axes (each <= 2**24) in int32. No reshape, so
   sharded arrays reduce locally.
   """
   split = x.ndim
@@ -74,9 +53,8 @@ def _count_leaf(mask: jax.Array) -> jax.Array:
   The counting passes of the top-k search are most of a mask refresh, so this is
   tuned for XLA:CPU, which writes a reduction's converted input to memory first:
   chunks of ``c`` (a power of two, 16 <= c <= 128) rows along axis -2 are counted
-  into uint8 (a quarter of the bytes of a float32 mask, summed 32 lanes at a time:
-  1.2-3.3x faster than a float32 sum of the mask), then :func:`_sum_exact` adds the
-  ~1/c as many partial counts. Only
+  into uint8 (a quarter of the bytes of a float32 mask, summed 32 lanes at a time),
+  then :func:`_sum_exact` adds the 1/c as many partial counts. Only
   axis -2 is split, at a power of two, so sharded leaves still count locally (the
   partial counts of a chunk split over devices are all-reduced: 1/c of the leaf).
   Leaves without such an axis -2 use :func:`_sum_exact` directly.
@@ -219,10 +197,8 @@ def _threshold(
      exactly ``k`` keys are at or above it. A step that does not halve the number
      of keys inside the bracket is followed by a bisection step (heavy ties,
      gaps), and after 24 steps only bisection runs, so the search ends within 56
-     steps. Over the score distributions we tried (products of normals, zero
-     blocks, log-normal, uniform, clusters, few distinct values) it took 2-26
-     counting passes, ~9 on average, where a bisection on the 32 key bits took
-     ~20-32.
+     steps (far fewer counting passes than a bisection on the 32 key bits for
+     the score distributions tried: ``docs/design/internals.md``).
   """
   n = sum(key.size for key in keys)
   stride = n // _SAMPLE
@@ -305,7 +281,7 @@ def top_k_masks(
 
   Ties: active entries first, then the lower (global) flat index. The cut is found
   by :func:`_threshold` on order-preserving uint32 keys (counting passes only:
-  vectorised, far faster than ``jnp.sort`` or ``lax.top_k`` on XLA:CPU, and free of
+  vectorised, faster than ``jnp.sort`` or ``lax.top_k`` on XLA:CPU, and free of
   gathers when leaves are sharded); ties at that value are split by
   :func:`_first_r_cut` only when more of them tie than fit. The branch returns
   scalars only, and the masks come from one element-wise pass.
@@ -341,7 +317,19 @@ def top_k_masks(
 
 
 def top_k_mask(score: jax.Array, active: jax.Array, k: jax.Array) -> jax.Array:
-  """:func:`top_k_masks` of one leaf."""
+  """:func:`top_k_masks` of one leaf.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from magma_optax.pruning import topk as _topk
+    >>> score = jnp.ones(4)
+    >>> active = jnp.array([False, True, False, True])
+    >>> _topk.top_k_mask(score, active, jnp.int32(3)).tolist()  # all tie: active first
+    [True, True, False, True]
+    >>> scores = jnp.array([[4.0, 1.0, 3.0, 2.0]])
+    >>> _topk.n_m_mask(scores, active[None], 2, 4, -1).tolist()
+    [[True, False, True, False]]
+  """
   return top_k_masks([score], [active], k)[0]
 
 

@@ -289,7 +289,7 @@ def test_complex_parameters_are_a_clear_error_not_a_real_update():
   real_state = tx.init({"w": jnp.ones((2, 3)), "r": jnp.ones(3)})
   with pytest.raises(ValueError, match=r"complex parameters \(at \[\"\['w'\]\"\]\)"):
     tx.update(grads, real_state, params)
-  # The wrapper masks complex leaves (real cosine; tests/test_complex.py): with
+  # The wrapper masks complex leaves (real cosine; tests/masking/test_complex.py): with
   # keep_prob=1 its update is the score times Adam's complex update.
   wrapped = magma.magma(optax.adam(1e-2), keep_prob=1.0)
   u, state = wrapped.update(grads, wrapped.init(params), params)

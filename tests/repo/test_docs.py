@@ -38,7 +38,7 @@ _CLOSED = "http://127.0.0.1:9"  # the discard port: nothing listens there
 # The site is built once, on the newest jax line (CI line 2), as it is published:
 # the public names and pages are the same on every line, and the build is ~20 s of
 # the older line's 2-core budget. The examples in the docstrings run on every line
-# (tests/test_docstrings.py).
+# (tests/repo/test_docstrings.py).
 newest_line_only = pytest.mark.skipif(
   _compat.JAX_VERSION < (0, 11),
   reason="the docs site is built on the newest jax line, as it is published",

@@ -200,7 +200,7 @@ def test_check_sparse_state_finds_records_inside_wrappers_and_batches():
   )  # fmt: skip
   # A global top-k keeps half of the 8 tiles, all of them in "w" (the larger
   # |W| |g|): 4 > its capacity of 1, at the first refresh. (A count that init
-  # can know to overflow is an error there: tests/test_sparse_bounds.py.)
+  # can know to overflow is an error there: tests/sparse/test_sparse_bounds.py.)
   tx = optax.MultiSteps(
     magma.periodic_mask(
       inner, sparsity=0.5, block=(2, 4), start=0, every=10, where=matrices,

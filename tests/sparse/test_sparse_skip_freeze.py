@@ -4,7 +4,7 @@ of the old state.
 
 The reference is the same composition with the rewrite switched off (``evaluate``
 patched to call the step as it is: freeze after, the storage before this change),
-and for Adam the plain-numpy masked Adam of tests/test_sparse_state.py.
+and for Adam the plain-numpy masked Adam of tests/sparse/test_sparse_state.py.
 """
 
 import functools
@@ -183,12 +183,12 @@ def test_the_donated_skip_step_copies_no_moment():
 
   assert not copies()
   with mock.patch.object(_freeze, "evaluate", _plain):  # positive control
-    assert len(copies()) == 2
+    assert len(copies()) >= 1  # the old moments (both, on the jax lines tested)
 
 
 def test_vmap_through_the_rewrite():
   # A vmapped step against each element's step (reverse mode: in
-  # tests/test_sparse_state.py, test_reverse_mode_through_unrolled_sparse_steps).
+  # tests/sparse/test_sparse_state.py, test_reverse_mode_through_unrolled_sparse_steps).
   rng = np.random.default_rng(1)
   grads = [rng.normal(size=(4, 8)).astype(np.float32) for _ in range(3)]
   masks = [np.arange(32).reshape(4, 8) % (2 + t) == 0 for t in range(3)]

@@ -1,31 +1,10 @@
-"""One Adam step over compact tile storage: the work follows the active tiles.
+"""Adam over the active tiles of compact tile storage: :func:`tile_adam`.
 
-Compact tile storage (``sparse_state(..., block=(r, c))``) keeps Adam's moments for
-the active ``r x c`` tiles of a leaf only, as ``(K, r, c)`` arrays (``K`` slots);
-``tile_index[j]`` names the tile held in slot ``j`` (sorted; the leaf's number of
-tiles marks an empty slot). :func:`tile_adam` runs one Adam step on those slots::
-
-    g_j = grad's tile tile_index[j]   (0 for an empty slot)
-    m'_j = (1 - b1) g_j + b1 m_j;   v'_j = (1 - b2) g_j^2 + b2 v_j
-    u_j = -lr (m'_j / (1 - b1^t)) / (sqrt(v'_j / (1 - b2^t) + eps_root) + eps)
-
-and returns the new compact moments and the compact update ``(K, r, c)``; the caller
-expands the update to the leaf (:func:`magma_optax.sparse_adam` lets XLA fuse that
-into ``optax.apply_updates``). A tile is ``(t // cols, t % cols)`` of the leaf seen as
-``(rows, r, cols, c)`` -- the leading axes and ``R / r`` as rows, ``C / c`` as
-columns -- a reshape, no copy.
-
-Implementations (``implementation=``, as :func:`magma_optax.kernels.masked_adam`):
-
-* ``"xla"``: a gather of the active tiles of the gradient and the element-wise step
-  (:func:`reference.tile_adam`); XLA fuses the gather into the step. The default.
-* ``"pallas"``: :mod:`magma_optax.kernels.pallas_tiles`, a kernel whose grid runs
-  over the slots and reads each slot's tile of the gradient through its index --
-  scalar prefetch on a TPU, an index array on a GPU -- so its bytes and its grid
-  follow ``K``, never the leaf's size.
-
-Both compute in float32 and cast the moments back to their dtype and the update to
-the gradient's dtype.
+One step per leaf reads the gradient's active tiles and updates their compact
+moments in one pass, with ``implementation=`` choosing the XLA reference
+(:func:`tile_adam_reference`) or a Pallas kernel whose grid runs over the active
+tiles only (:mod:`magma_optax.kernels.tiles.pallas`). The update comes back compact;
+the caller expands it to the leaf.
 """
 
 from __future__ import annotations
@@ -85,7 +64,7 @@ def gather_tiles(g4: jax.Array, tile_index: jax.Array) -> jax.Array:
 
 def tile_adam_reference(g4, mu, nu, tile_index, hyper, constants) -> TileAdamOutput:
   """The XLA path: gather, then :func:`reference.tile_adam` (the same contract as
-  :func:`magma_optax.kernels.pallas_tiles.tile_adam_pallas`)."""
+  :func:`magma_optax.kernels.tiles.pallas.tile_adam_pallas`)."""
   g = gather_tiles(g4, tile_index)
   new_m, new_v, u = reference.tile_adam(g, mu, nu, None, None, hyper, constants)
   return TileAdamOutput(

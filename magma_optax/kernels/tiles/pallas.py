@@ -1,79 +1,13 @@
 """Adam over compact tile storage as Pallas kernels that visit only the active tiles.
 
-Compact tile storage keeps Adam's moments for the active tiles of a leaf only: a leaf
-of shape ``(..., R, C)`` is cut into tiles of ``(r, c)``, viewed as the 4-D array
-``g4`` of shape ``(rows, r, cols, c)`` (tile ``t`` is ``g4[t // cols, :, t % cols,
-:]``), and the moments are ``(K, r, c)`` arrays of ``K`` slots, slot ``j`` holding the
-tile ``tile_index[j]``. ``tile_index`` is sorted; the value ``rows * cols`` (the number
-of tiles) marks an empty slot, and empty slots come last. One step is, per slot::
-
-    g = g4[t // cols, :, t % cols, :]   (t = tile_index[j]; g = 0 for an empty slot)
-    m', v', u = reference.tile_adam(g, mu[j], nu[j], ...)
-
-the XLA reference being ``g4.at[t // cols, :, t % cols, :].get(mode="fill",
-fill_value=0)`` followed by :func:`reference.tile_adam` on the gathered ``(K, r, c)``
-array. A kernel here does the same without the gathered copy: its grid runs over
-slots (or groups of slots), each step reads the tile index from memory, loads that
-tile of ``g`` directly, and writes ``m'``, ``v'`` and the update of its slots. The
-work and the bytes moved are those of ``K`` tiles -- about ``K r c`` times (the
-gradient's bytes, those of m, v read and written, the update's) -- whatever the size
-of the leaf: the inactive tiles of ``g`` are never read. Math in float32; ``m'`` and
-``v'`` stored in the moments' dtypes, the update in the gradient's.
-
-Empty slots: the index is clamped to ``num_tiles - 1`` for the load (nothing is read
-out of bounds) and the loaded value is replaced by 0, so an empty slot gets the
-update of a zero gradient, as in the reference.
-
-Per backend (:func:`why_unavailable` gives the constraints as a sentence):
-
-* ``"mosaic_tpu"``: the tile index and the hyperparameters are scalar-prefetch
-  operands in SMEM (``PrefetchScalarGridSpec``). A grid step takes ``S`` slots
-  (enough for about 2**16 entries: a TPU grid step has a fixed cost of a fraction of
-  a microsecond, which a single ``(1, 128)`` tile would not pay for): m and v come in
-  as ``(S, r, c)`` blocks of the slot axis (the last block may be partial: Pallas
-  masks its write-back), and ``g`` stays in HBM (``memory_space=ANY``), its ``S``
-  tiles fetched with one DMA each from the view ``(rows, r, cols * c)``, started
-  together and awaited before the math (Pallas pipelines the m, v blocks across
-  steps; these DMAs are not overlapped with the previous step: a possible
-  refinement). m and v are aliased to m' and v' (not in the interpreter when the
-  last block is partial, where aliasing fails to lower). ``c`` must be a multiple
-  of 128 (lanes); any ``r`` is legal, since the blocks span the view's whole ``r``
-  axis (``r`` below the sublane count, 8 for 32-bit, 16 for 16-bit, pads each
-  tile's vector registers: correct, more work per byte).
-* ``"triton"``: one program per slot reads the tile index from the int32 index
-  array, loads the ``(r, c)`` tile with dynamic offsets (``pl.ds``) from the 2-D
-  view ``(rows * r, cols * c)`` of ``g``, and zeroes it for an empty slot. Triton's
-  blocks need powers of two: ``r`` and ``c`` must be powers of two.
-* ``"mosaic_gpu"`` (Hopper, jax >= 0.12): a program takes a group of 4 slots,
-  copies their 4 indices (one 16-byte TMA copy) to SMEM, and per slot copies with
-  TMA the tile of ``g`` at that index (a 2-D box of the view ``(rows * r, cols *
-  c)``), m and v to SMEM, updates them in registers over the SMEM copies, and copies
-  m', v' and the update back (m, v aliased to m', v'). The indices are padded to
-  whole groups (K int32s; the state is not copied); slots past K are skipped. TMA
-  boxes: ``r, c <= 256``, rows of ``c`` entries a multiple of 16 bytes, and a tile of
-  g, m and v within 96 KiB of shared memory. Simplest correct form, as
-  :mod:`pallas_mgpu`: no pipelining across slots; in the interpreter one program
-  takes all groups (jax 0.12.0's GPU interpreter keeps program 0's writes only). It
-  has run in ``plgpu.InterpretGPUParams()`` only; ``benchmarks/gpu_check.py``
-  compiles it on a Hopper GPU.
-
-Example:
-
-  >>> import jax.numpy as jnp
-  >>> from magma_optax.kernels.tiles import pallas as pallas_tiles
-  >>> from magma_optax.kernels import reference
-  >>> constants = reference.AdamConstants()
-  >>> hyper = reference.hyperparams(1, 1e-3, 0.0, constants)
-  >>> g4 = jnp.ones((2, 1, 2, 16)).at[1, :, 0].set(2.0)  # 4 tiles of (1, 16)
-  >>> mu = nu = jnp.zeros((3, 1, 16))
-  >>> tile_index = jnp.array([1, 2, 4], jnp.int32)  # tiles 1, 2; slot 2 is empty
-  >>> m, v, u = pallas_tiles.tile_adam_pallas(
-  ...   g4, mu, nu, tile_index, hyper, constants, backend="triton", interpret=True
-  ... )
-  >>> [float(x) for x in m[:, 0, 0]]
-  [0.1..., 0.2..., 0.0]
-  >>> u.shape
-  (3, 1, 16)
+A leaf is viewed as ``g4`` of shape ``(rows, r, cols, c)``; the moments are ``(K, r,
+c)`` arrays of ``K`` slots, slot ``j`` holding tile ``tile_index[j]`` (sorted; the
+number of tiles marks an empty slot, which gets a zero gradient's update). A
+kernel's grid runs over the slots, loads each slot's tile of ``g`` directly and
+writes ``m'``, ``v'`` and the update: work and bytes follow ``K``, not the leaf.
+One kernel per backend (``"mosaic_tpu"``, ``"triton"``, ``"mosaic_gpu"``);
+:func:`why_unavailable` says what each needs. Design notes:
+``docs/design/internals.md``.
 """
 
 from __future__ import annotations
@@ -181,6 +115,24 @@ def tile_adam_pallas(
   Raises:
     ValueError: if the backend cannot run these tiles (:func:`why_unavailable`) or
       the shapes disagree.
+
+  Example:
+
+    >>> import jax.numpy as jnp
+    >>> from magma_optax.kernels.tiles import pallas as pallas_tiles
+    >>> from magma_optax.kernels import reference
+    >>> constants = reference.AdamConstants()
+    >>> hyper = reference.hyperparams(1, 1e-3, 0.0, constants)
+    >>> g4 = jnp.ones((2, 1, 2, 16)).at[1, :, 0].set(2.0)  # 4 tiles of (1, 16)
+    >>> mu = nu = jnp.zeros((3, 1, 16))
+    >>> tile_index = jnp.array([1, 2, 4], jnp.int32)  # tiles 1, 2; slot 2 is empty
+    >>> m, v, u = pallas_tiles.tile_adam_pallas(
+    ...   g4, mu, nu, tile_index, hyper, constants, backend="triton", interpret=True
+    ... )
+    >>> [float(x) for x in m[:, 0, 0]]
+    [0.1..., 0.2..., 0.0]
+    >>> u.shape
+    (3, 1, 16)
   """
   rows, r, cols, c = g4.shape
   k = tile_index.shape[0]
@@ -335,8 +287,8 @@ def _tpu(g4, mu, nu, tile_index, hyper, constants, interpret):
     ],
   )
   # m, v aliased to m', v'. Not in the TPU interpreter when the last block is
-  # partial: there (jax 0.10.2 and 0.12) an aliased output keeps the padded shape
-  # of its blocks and fails to lower. A TPU masks the last block's write-back.
+  # partial, where an aliased output fails to lower (docs/design/internals.md). A
+  # TPU masks the last block's write-back.
   aliases = {} if interpret and k % s else {3: 0, 4: 1}
   kernel = functools.partial(
     _tpu_kernel, constants=constants, shape=(k, s, cols, c, rows * cols)
@@ -422,8 +374,8 @@ def _mgpu(g4, mu, nu, tile_index, hyper, constants, interpret):
   idx = jnp.pad(
     tile_index, (0, num_groups * MGPU_SLOTS - k), constant_values=rows * cols
   )
-  # One group per program on a GPU; in the interpreter one program takes all:
-  # jax 0.12.0's GPU interpreter keeps the writes of program 0 only (pallas_mgpu).
+  # One group per program on a GPU; in the interpreter one program takes all: it
+  # keeps the writes of program 0 only (docs/design/internals.md).
   num_programs = 1 if interpret else num_groups
   gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
   kernel = functools.partial(
