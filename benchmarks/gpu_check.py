@@ -2,8 +2,8 @@
 
 One short run on a machine with a GPU (about a minute after compilation):
 
-1. each GPU Pallas kernel -- Triton (``kernels/pallas_gpu.py``) and, on a
-   Hopper-class GPU with jax >= 0.12, Mosaic GPU (``kernels/pallas_mgpu.py``) --
+1. each GPU Pallas kernel -- Triton (``kernels/triton.py``) and, on a
+   Hopper-class GPU with jax >= 0.12, Mosaic GPU (``kernels/mosaic_gpu.py``) --
    against the XLA reference on random data -- float32 and bfloat16, odd sizes
    that need padding, row blocks, a parameter mask, weight decay -- and
    ``adam_magma(implementation="pallas")`` (the kernel the backend picks) against
@@ -19,7 +19,7 @@ One short run on a machine with a GPU (about a minute after compilation):
    ordinary step of ``periodic_mask``, of ``sparse_state`` skip / compact
    storage and of ``adam_magma`` with and without a ``param_mask`` against
    ``optax.adam``;
-5. the tile kernel of compact tile storage (``kernels/pallas_tiles.py``, each GPU
+5. the tile kernel of compact tile storage (``kernels/tiles/pallas.py``, each GPU
    backend) against its XLA reference (a gather of the active tiles) at density 0.3
    with empty slots, tiles (8, 128) and (1, 128), and alone against that reference
    on a (2048, 2048) leaf at densities 0.1, 0.3 and 1.0 (ms and GB/s, counting per

@@ -3,7 +3,7 @@
 One short run on a machine with a TPU (a Colab TPU runtime will do; about a minute
 after compilation):
 
-1. the Mosaic TPU kernel (``kernels/pallas_tpu.py``) against the XLA reference on
+1. the Mosaic TPU kernel (``kernels/mosaic_tpu.py``) against the XLA reference on
    random data -- float32 and bfloat16, odd sizes that need padding, blocks that
    span several tiles (sums accumulated over the grid), row blocks, a parameter
    mask, weight decay -- and ``adam_magma(implementation="pallas")`` against
@@ -14,7 +14,7 @@ after compilation):
    ratios against ``optax.adam`` in the same run) with ``adam_magma`` xla and
    pallas, at 1 M, 25 M and 100 M parameters and on a transformer-shaped tree of
    144 leaves;
-4. the tile kernel of compact tile storage (``kernels/pallas_tiles.py``) against
+4. the tile kernel of compact tile storage (``kernels/tiles/pallas.py``) against
    its XLA reference at density 0.3 with empty slots, (8, 128) tiles, and alone
    against that reference on a (2048, 2048) leaf at densities 0.1, 0.3 and 1.0.
 

@@ -192,7 +192,8 @@ def warn_if_scope_misses(paths_leaves: list[tuple[Any, Any]]) -> None:
 
 def _stacklevel_outside_package() -> int:
   """A ``stacklevel`` pointing at the first caller outside magma_optax."""
-  package = os.path.dirname(os.path.abspath(__file__))
+  # The package's folder (this module is in magma_optax/_core).
+  package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
   frame, level = sys._getframe(1), 1
   while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(
     package

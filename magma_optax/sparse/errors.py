@@ -2,7 +2,8 @@
 
 ``on_error="raise"`` raises a ``ValueError`` (under ``jax.jit`` from a host
 callback); ``on_error="record"`` compiles none: each leaf keeps its first failure in
-the state (:attr:`magma_optax.SparseState.errors`: a kind and its counts), and
+the state (:attr:`magma_optax.SparseState.errors`: a kind and its counts per leaf),
+and
 :func:`check_sparse_state` raises it with the same message, also from a state
 restored from a checkpoint.
 """
@@ -25,21 +26,31 @@ ON_ERROR = ("raise", "record")
 ERROR_VALUES = 8
 
 
-def no_record() -> jax.Array:
-  """A leaf's record before any failure."""
-  return jnp.zeros((1 + ERROR_VALUES,), jnp.int32)
+def no_records(num_leaves: int) -> jax.Array:
+  """The records before any failure: one row per checked leaf."""
+  return jnp.zeros((num_leaves, 1 + ERROR_VALUES), jnp.int32)
 
 
-def recorded(record: jax.Array, check: _storage.Check) -> jax.Array:
-  """A leaf's record after a step whose check is ``check``: its first failure is
-  kept (a record made before stays)."""
-  if len(check.values) > ERROR_VALUES:  # the storages' checks have at most 2 + ndim
-    raise ValueError(f"a check with {len(check.values)} counts cannot be recorded.")
-  values = [jnp.asarray(v, jnp.int32) for v in check.values]
-  zeros = [jnp.zeros([], jnp.int32)] * (ERROR_VALUES - len(values))
-  now = jnp.stack([jnp.asarray(check.kind, jnp.int32), *values, *zeros])
-  keep = (record[0] != 0) | ~jnp.asarray(check.bad)
-  return jnp.where(keep, record, now)
+def recorded(records: jax.Array, checks: list[Any]) -> jax.Array:
+  """The records after a step, one row per checked leaf (its :class:`Check`, or
+  ``None``): each leaf keeps its first failure. One array for all leaves: a step
+  computes it in one pass, whatever the number of leaves."""
+  if not checks:
+    return records
+  rows, bads = [], []
+  for row, check in zip(records, checks, strict=True):
+    if check is None:
+      rows.append(row)
+      bads.append(jnp.zeros([], jnp.bool_))
+      continue
+    if len(check.values) > ERROR_VALUES:  # the storages' have at most 2 + ndim
+      raise ValueError(f"a check with {len(check.values)} counts cannot be recorded.")
+    values = [jnp.asarray(v, jnp.int32) for v in check.values]
+    zeros = [jnp.zeros([], jnp.int32)] * (ERROR_VALUES - len(values))
+    rows.append(jnp.stack([jnp.asarray(check.kind, jnp.int32), *values, *zeros]))
+    bads.append(jnp.asarray(check.bad))
+  keep = (records[:, 0] != 0) | ~jnp.stack(bads)
+  return jnp.where(keep[:, None], records, jnp.stack(rows))
 
 
 def check_sparse_state(opt_state: Any) -> None:
@@ -98,13 +109,10 @@ def check_sparse_state(opt_state: Any) -> None:
   for st in states:
     if _trees.is_masked(st.errors):
       continue
-    layout = st.storage
-    for s, record in zip(
-      layout.storages, layout.treedef.flatten_up_to(st.errors), strict=True
-    ):
-      if _trees.is_masked(record):
-        continue
-      for kind, *values in np.asarray(record).reshape(-1, 1 + ERROR_VALUES).tolist():
+    checked = [s for s in st.storage.storages if s.compact]
+    records = np.asarray(st.errors).reshape(-1, len(checked), 1 + ERROR_VALUES)
+    for j, s in enumerate(checked):
+      for kind, *values in records[:, j].tolist():
         if kind:
           raise ValueError(s.failure_message(*values[: s.failure_values]))
 

@@ -55,12 +55,12 @@ class SparseState(NamedTuple):
       steps with an all-inactive mask; ``optax.MaskedNode`` otherwise.
     cold: per scoped leaf (offload mode) a bool scalar, ``inactive_steps >=
       offload_after`` (read by :func:`offload_sparse_state`).
-    errors: with ``on_error="record"``, per compact leaf an int32 vector of ``1 +
-      8`` entries, all zero until a step's parameter mask fails a check of the
-      leaf's storage; then the first such failure (its kind: 1 a capacity
-      overflow, 2 a mask not made of whole tiles; then its counts), kept until the
-      state is initialised again and raised by :func:`check_sparse_state`;
-      ``optax.MaskedNode`` for other leaves, and for the whole field with
+    errors: with ``on_error="record"``, an int32 array with a row of ``1 + 8``
+      entries per leaf of compact storage (in tree order), all zero until a
+      step's parameter mask fails a check of the leaf's storage; then the leaf's
+      first such failure (its kind: 1 a capacity overflow, 2 a mask not made of
+      whole tiles; then its counts), kept until the state is initialised again
+      and raised by :func:`check_sparse_state`. ``optax.MaskedNode`` with
       ``on_error="raise"``.
     storage: static (no arrays, part of the tree structure): each leaf's storage
       (:class:`magma_optax.sparse.storage.StorageLayout`).

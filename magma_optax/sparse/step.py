@@ -156,11 +156,10 @@ class _Transform:
     )
 
   def no_errors(self, storages, treedef) -> Any:
+    del treedef
     if not self.record:
       return optax.MaskedNode()
-    return treedef.unflatten(
-      [_errors.no_record() if s.compact else optax.MaskedNode() for s in storages]
-    )
+    return _errors.no_records(sum(s.compact for s in storages))
 
   def check_state(self, state: Any, updates: Any) -> None:
     """A state whose stored shapes are not this storage's (built with other
@@ -341,13 +340,8 @@ class _Transform:
     ]
     errors = state.errors
     if self.record:
-      records = treedef.flatten_up_to(errors)
-      errors = treedef.unflatten(
-        [
-          r if leaf.check is None else _errors.recorded(r, leaf.check)
-          for r, leaf in zip(records, leaves, strict=True)
-        ]
-      )
+      checks = [leaf.check for leaf in leaves if leaf.storage.compact]
+      errors = _errors.recorded(errors, checks)
     return self.state_type(
       base_state=base_state,
       stored_bits=treedef.unflatten([leaf.new_bits for leaf in leaves]),

@@ -22,7 +22,9 @@ from flax import nnx  # noqa: E402
 import magma_optax as magma  # noqa: E402
 
 STEPS = 5
-_PATH = os.path.join(os.path.dirname(__file__), "..", "examples", "flax_training.py")
+_PATH = os.path.join(
+  os.path.dirname(__file__), "..", "..", "examples", "flax_training.py"
+)
 _spec = importlib.util.spec_from_file_location("flax_training", _PATH)
 example = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(example)
