@@ -9,6 +9,7 @@ imports and takes a step while flax stays absent.
 
 import ast
 import email
+import os
 import pathlib
 import re
 import subprocess
@@ -138,10 +139,12 @@ def test_import_parser_sees_imports_not_prose():
 def test_wheel_installs_without_extras_and_imports(dist, tmp_path):
   wheel, _ = dist
   venv = tmp_path / "venv"
-  _run([sys.executable, "-m", "venv", str(venv)])
+  # Without PYTHONPATH: a checkout on it (PYTHONPATH=$PWD) would shadow the wheel.
+  env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+  _run([sys.executable, "-m", "venv", str(venv)], env=env)
   python = venv / "bin" / "python"
   _run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-        str(wheel)])  # fmt: skip
+        str(wheel)], env=env)  # fmt: skip
   script = """
 import importlib.util, sys
 import jax, jax.numpy as jnp, optax
@@ -160,7 +163,7 @@ else:
   raise AssertionError("magma_optax.flax imported without flax")
 print(magma.__version__, magma.__file__)
 """
-  run = _run([str(python), "-c", script], cwd=tmp_path)
+  run = _run([str(python), "-c", script], cwd=tmp_path, env=env)
   version, location = run.stdout.split()
   assert version == magma_optax.__version__
   assert str(venv) in location  # the wheel's copy, not this checkout
