@@ -45,15 +45,16 @@ Usage::
     python3 benchmarks/gpu_check.py --budget-s 200 --sections roofline,dense-peers
     python3 benchmarks/gpu_check.py --smoke            # any machine, tiny sizes
 
-On the lent device machine, with the peers' wheels in ``.whl/`` (carried), from the
-repository root::
+On the lent device machine, from the repository root, with the peers' wheels in
+``.whl/`` (carried; ``device_run.sh`` holds the ``pip download`` command)::
 
     bash benchmarks/device_run.sh      # device tool: carry [".whl"], timeout_s 560
 
 ``--smoke`` checks the script itself (``tests/test_gpu_check.py`` runs it on CPU):
-every section at tiny sizes, the Pallas kernels interpreted, one round, the profile
-parsed from the trace the CPU run wrote (it holds no device events). Its timings
-and targets mean nothing. ``benchmarks/tpu_check.py`` is the check for a TPU.
+every section at tiny sizes with a few of its rows (``SMOKE_ROWS``), the Pallas
+kernels interpreted, one round, the torch peers on the CPU if torch imports, the
+profile parsed from the trace the CPU run wrote (it holds no device events). Its
+timings and targets mean nothing. ``benchmarks/tpu_check.py`` is the check for a TPU.
 """
 
 from __future__ import annotations
@@ -79,13 +80,16 @@ import threading
 import time
 import traceback
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
+# Leave GPU memory to the torch peers' process (read when jax's backend starts).
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
 
-import magma_optax as magma
-from magma_optax import kernels
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import magma_optax as magma  # noqa: E402
+from magma_optax import kernels  # noqa: E402
 
 _HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
@@ -482,8 +486,12 @@ def profile(ctx: Context, rows: list, tag: str) -> dict:
     ctx.rep.say(f"profile {tag}: skipped: budget spent")
     return {}
   log_dir = tempfile.mkdtemp(prefix=f"gpu_check_{tag}_")
+  options = jax.profiler.ProfileOptions()
+  options.python_tracer_level = 0  # host annotations and device work only
   try:
-    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+    with jax.profiler.trace(
+      log_dir, create_perfetto_trace=True, profiler_options=options
+    ):
       for i, row in enumerate(rows):
         name, kw = trace_stats.jax_annotation(f"r{i}", k)
         with jax.profiler.TraceAnnotation(name, **kw):
@@ -1421,8 +1429,6 @@ def main(argv=None) -> int:
   if args.smoke:
     args.rounds, args.steps, args.blocked = 1, 2, 1
     args.profile_steps = min(args.profile_steps, 1)
-  # Leave GPU memory to the torch peers' process (read when the backend starts).
-  os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
   rep = Report(args.out)
   if args.budget_s is None:
     args.budget_s = float("inf") if args.smoke else 330.0
