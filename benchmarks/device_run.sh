@@ -7,8 +7,12 @@
 #
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux_2_28_x86_64 \
-#     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#     --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+#     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
 #     -d .whl rollfast==1.3.0 magma-optimizer==0.1.1
+#
+# (two pure-Python wheels, 236 kB; rollfast needs jax >= 0.6.2 and optax 0.2.x,
+# magma-optimizer torch >= 2.0: the image has all three.)
 #
 # They are installed into /tmp/site; torch, jax and optax are the machine's own.
 # The run keeps inside BUDGET seconds (default 330, jax import aside; sections
