@@ -243,6 +243,7 @@ def adam_magma(
   engine = _engine.BlockMask(
     _engine.from_arguments(_engine.MaskConfig.create, arguments),
     rule,
+    name="adam_magma",
   )
 
   def init_fn(params):
@@ -261,6 +262,8 @@ def adam_magma(
   def update_fn(updates, state, params=None, *, param_mask=None, **extra_args):
     del extra_args
     _check_real(updates)
+    _trees.check_shapes("adam_magma", updates, params)
+    _trees.check_shapes("adam_magma", updates, state.mu, "Adam's first moment there")
     if has_decay and params is None:
       raise ValueError(
         "adam_magma with weight_decay needs the params: call update(grads,"

@@ -514,4 +514,5 @@ def alignment_mask(
   return _engine.BlockMask(
     _engine.from_arguments(_engine.MaskConfig.create, arguments),
     _engine.from_arguments(AlignmentRule.create, arguments),
+    name="alignment_mask",
   ).transformation()

@@ -590,8 +590,12 @@ def periodic_mask(
         " its inner optimizer, so it takes none. Use one periodic_mask per"
         " parameter (group them with optax.multi_transform or where=)."
       )
+    _trees.check_shapes("periodic_mask", updates, params)
     plans, treedef = plan(updates)
     plans = _scoping.match_state(plans, state.mask, treedef)
+    _trees.check_shapes(
+      "periodic_mask", updates, state.mask, "the mask its state holds there"
+    )
     grads = treedef.flatten_up_to(updates)
     parts = parts_of(plans, updates)
     param_leaves = treedef.flatten_up_to(params)

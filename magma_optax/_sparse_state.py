@@ -1892,7 +1892,13 @@ def sparse_adam(
 
   # The step returns frozen moments already (merged, or compact).
   return _transformation(
-    base, storages_of, offload_after, step, frozen=True, on_error=on_error
+    base,
+    storages_of,
+    offload_after,
+    step,
+    frozen=True,
+    on_error=on_error,
+    name="sparse_adam",
   )
 
 
@@ -2119,7 +2125,13 @@ def _value_dependent_init(base, params, treedef, storages) -> str | None:
 
 
 def _transformation(
-  base, storages_of, offload_after, step, frozen=False, on_error="raise"
+  base,
+  storages_of,
+  offload_after,
+  step,
+  frozen=False,
+  on_error="raise",
+  name="sparse_state",
 ):
   """The transformation over ``base``'s state at the storages' shapes; ``step``
   computes the stored updates and the new base state (:func:`_base_step`), with
@@ -2248,10 +2260,29 @@ def _transformation(
     return out
 
   def check_state(state, updates):
-    """A state whose stored shapes are not this storage's (built with other
-    arguments, e.g. restored after ``shards`` or ``density`` changed) is a
-    ``ValueError`` that says where, not a shape error deep in the step."""
+    """Gradients whose tree is not the one the state was built for, and a state
+    whose stored shapes are not what these gradients need (gradients of other
+    shapes than the parameters', or a state built with other arguments, e.g.
+    restored after ``shards`` or ``density`` changed), raise a ``ValueError``
+    that says where, not a shape error deep in the step."""
     want = jax.eval_shape(init_fn, updates)
+    # One entry per leaf, whatever its storage: the parameters' tree.
+    tree_of = lambda s: jax.tree.structure(s.inactive_steps, is_leaf=_trees.is_masked)
+    if tree_of(state) != tree_of(want):
+      got = jax.tree_util.tree_flatten_with_path(state.inactive_steps, _trees.is_masked)
+      paths = {jax.tree_util.keystr(p) for p, _ in got[0]}
+      grads = jax.tree_util.tree_flatten_with_path(updates)[0]
+      extra = sorted({jax.tree_util.keystr(p) for p, _ in grads} - paths)
+      missing = sorted(paths - {jax.tree_util.keystr(p) for p, _ in grads})
+      raise ValueError(
+        f"{name}: the gradients' tree is not the parameter tree this state was"
+        f" built for (by init). Leaves of the gradients that the state has not:"
+        f" {extra[:3] or 'none'}{' ...' if len(extra) > 3 else ''}; leaves of"
+        f" the state that the gradients have not: {missing[:3] or 'none'}"
+        f"{' ...' if len(missing) > 3 else ''}. Pass gradients with the"
+        " parameters' tree (the same containers, e.g. both nnx.State or both"
+        " dicts), or call init with the tree the gradients have."
+      )
     got = jax.tree_util.tree_flatten_with_path(state)[0]
     if len(got) == len(jax.tree.leaves(want)):
       for (path, x), w in zip(got, jax.tree.leaves(want), strict=True):  # noqa: B007
@@ -2259,18 +2290,28 @@ def _transformation(
           break
       else:
         return
-      where = f"at {jax.tree_util.keystr(path)} shape {tuple(jnp.shape(x))}, this"
-      where += f" storage keeps {tuple(w.shape)}"
+      where = f"at {jax.tree_util.keystr(path)} shape {tuple(jnp.shape(x))}, where"
+      where += f" these gradients need {tuple(w.shape)}"
+      state_path = jax.tree_util.keystr(path)
+      for grad_path, g in jax.tree_util.tree_flatten_with_path(updates)[0]:
+        if state_path.endswith(jax.tree_util.keystr(grad_path)):
+          where += (
+            f"; the gradient at {jax.tree_util.keystr(grad_path)} has shape"
+            f" {tuple(jnp.shape(g))}"
+          )
+          break
     else:
       where = "its structure differs"
     raise ValueError(
-      f"sparse_state: the state was not built by this transform's init ({where})."
-      " Was it built with other storage arguments (mode, density, structure,"
-      " block, shards, where, density_threshold, on_error)? Use the same ones,"
-      " or call init again."
+      f"{name}: the state does not fit these gradients ({where}). Do the"
+      " gradients have their parameters' shapes? Else the state was not built by"
+      " this transform's init: was it built with other storage arguments (mode,"
+      " density, structure, block, shards, where, density_threshold, on_error)?"
+      " Use the same ones, or call init again."
     )
 
   def update_fn(updates, state, params=None, *, param_mask=None, **extra_args):
+    _trees.check_shapes(name, updates, params)
     check_state(state, updates)
     storages, treedef = storages_of(updates)
     flat_g = treedef.flatten_up_to(updates)

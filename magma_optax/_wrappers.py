@@ -193,6 +193,7 @@ def magma(
   mask = _engine.BlockMask(
     _engine.from_arguments(_engine.MaskConfig.create, arguments),
     _engine.from_arguments(_alignment.AlignmentRule.create, arguments),
+    name="magma",
   )
 
   def init_fn(params):
@@ -202,7 +203,9 @@ def magma(
     )
 
   def update_fn(updates, state, params=None, **extra_args):
+    _trees.check_shapes("magma", updates, params)
     deltas, inner = base.update(updates, state.inner_state, params, **extra_args)
+    _trees.check_shapes("magma", updates, deltas, "the base optimizer's update")
     found = base_momentum(inner, updates, momentum)
     masked, mask_state = mask.step(
       deltas, state.mask_state, signal=updates, momentum=found
@@ -266,7 +269,9 @@ def skip_update(
     return MaskedUpdateState(base.init(params), mask.init(params))
 
   def update_fn(updates, state, params=None, **extra_args):
+    _trees.check_shapes("skip_update", updates, params)
     deltas, inner = base.update(updates, state.inner_state, params, **extra_args)
+    _trees.check_shapes("skip_update", updates, deltas, "the base optimizer's update")
     masked, mask_state = mask.update(deltas, state.mask_state, params)
     return masked, MaskedUpdateState(inner, mask_state)
 

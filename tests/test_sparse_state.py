@@ -1302,7 +1302,7 @@ def test_a_state_built_with_other_storage_arguments_is_refused_clearly():
   kw = dict(mode="compact", density=0.5, block=(2, 2))
   per_shard = magma.sparse_state(optax.adam(LR), shards=(2, 2), **kw)
   one_part = magma.sparse_state(optax.adam(LR), **kw)
-  with pytest.raises(ValueError, match=r"not built by this transform's init \(at"):
+  with pytest.raises(ValueError, match=r"not built by this\s+transform.s init"):
     jax.jit(one_part.update)(params, per_shard.init(params), params, param_mask=mask)
   with pytest.raises(ValueError, match="other storage arguments"):
     magma.sparse_adam(LR, **kw).update(
