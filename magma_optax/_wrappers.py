@@ -142,7 +142,9 @@ def magma(
 
   Args:
     base: the base optimizer, e.g. ``optax.adam(1e-3)``.
-    tau: temperature tau > 0 (paper: 2.0); float or schedule.
+    tau: temperature tau >= 1e-3 (paper: 2.0); float or schedule. A schedule is
+      checked at step 0 and raised to 1e-3 at every step where it falls below
+      (0 would make the scores NaN).
     keep_prob: probability p in (0, 1] of keeping a block (paper: 0.5); float,
       schedule, or a mapping label -> probability.
     key: PRNG key (int or ``jax.random.key``); keyword-only, default 0. Masks depend
