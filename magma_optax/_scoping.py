@@ -15,6 +15,8 @@ dtype), so predicates should look at those only. Integer and other non-float lea
 are never masked; they pass through unchanged. Complex leaves are masked like the
 real vector (Re, Im) of twice the length: cosines use the real inner product and
 norms the magnitudes (``adam_magma``, a real-valued kernel, refuses them).
+:func:`magma_optax.sparse_state` keeps their state like real leaves', and
+:func:`magma_optax.periodic_mask` ranks them by magnitude.
 
 Labels group leaves for per-label keep probabilities and for logging:
 :func:`transformer_labels` (:mod:`magma_optax._labels`) names a leaf ``"attention"``,
@@ -200,6 +202,7 @@ def plan_scope(
   where: Where,
   granularity: _blocks.Granularity = "tensor",
   stack_axes: int = 0,
+  complex_ok: bool = False,
 ) -> tuple[list[LeafPlan], Any]:
   """:func:`plan_leaves` for transforms that only need the scope (no labels or p)."""
   return plan_leaves(
@@ -209,6 +212,7 @@ def plan_scope(
     keep_prob=1.0,
     granularity=granularity,
     stack_axes=stack_axes,
+    complex_ok=complex_ok,
   )
 
 

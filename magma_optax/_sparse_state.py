@@ -1645,8 +1645,8 @@ def sparse_state(
       skip storage (default 0.6).
     offload_after: K >= 1, steps of an all-inactive mask after which a leaf is cold
       (offload mode).
-    where: which leaves get sparse storage (``None``: all floating leaves); others
-      are updated densely by ``base``.
+    where: which leaves get sparse storage (``None``: all floating leaves, real or
+      complex, in every storage); others are updated densely by ``base``.
     cache_index: unstructured compact storage (``density`` without ``structure``
       or ``block``) keeps the int32 indices of its stored entries (4 bytes per
       slot) so that their index is rebuilt only when the mask changes (default).
@@ -1763,6 +1763,8 @@ def sparse_adam(
   Everything is computed in float32 (``optax.adam`` on bfloat16 moments computes
   in bfloat16): on float32 parameters the moments equal those of
   ``sparse_state(optax.adam(...))`` and the updates agree to float32 rounding.
+  Complex leaves take Adam's complex step (``nu`` the EMA of ``|g|^2``, as in
+  ``optax.adam``) in XLA in every storage, whatever ``implementation``.
 
   Args:
     learning_rate: a float or an ``optax`` schedule, as in ``optax.adam``.
@@ -1849,7 +1851,12 @@ def sparse_adam(
     new_mu, new_nu, updates = [], [], []
     leaves = zip(storages, ctx, stored_masks, flat_g, mus, nus, strict=True)
     for s, c, mask, g, m, v in leaves:
-      if isinstance(s, _Tiles | _ShardedTiles):
+      if jnp.iscomplexobj(g):  # the stored entries, in complex arithmetic
+        frozen = isinstance(s, _Skip) and not _trees.is_masked(mask)
+        out = _complex_adam(
+          s.gather(c, g), m, v, mask if frozen else None, hyper, constants
+        )
+      elif isinstance(s, _Tiles | _ShardedTiles):
 
         def tile_step(g, m, v, c, count, lr):
           return tiles.tile_adam(
@@ -1899,6 +1906,28 @@ def sparse_adam(
     frozen=True,
     on_error=on_error,
     name="sparse_adam",
+  )
+
+
+def _complex_adam(g, mu, nu, mask, hyper, constants):
+  """Adam's step on complex stored entries, as ``optax.adam`` computes it:
+  ``nu`` is the EMA of ``|g|^2`` (real values in the parameter's complex dtype),
+  the update ``m_hat / (sqrt(v_hat + eps_root) + eps)`` complex; frozen where
+  ``mask`` (skip storage) is False. The fused real steps would drop ``Im g``."""
+  dtype = jnp.promote_types(g.dtype, jnp.complex64)
+  g, m = g.astype(dtype), mu.astype(dtype)
+  v = jnp.real(nu.astype(dtype))
+  new_m = (1 - constants.b1) * g + constants.b1 * m
+  new_v = (1 - constants.b2) * jnp.real(jnp.conj(g) * g) + constants.b2 * v
+  if mask is not None:
+    new_m = _freeze.kept(mask, new_m, m)
+    new_v = _freeze.kept(mask, new_v, v)
+  bc1 = hyper[reference.BIAS_CORRECTION1].astype(new_v.dtype)
+  bc2 = hyper[reference.BIAS_CORRECTION2].astype(new_v.dtype)
+  u = (new_m / bc1) / (jnp.sqrt(new_v / bc2 + constants.eps_root) + constants.eps)
+  u = u * -hyper[reference.LEARNING_RATE].astype(new_v.dtype)
+  return tiles.TileAdamOutput(
+    new_m.astype(mu.dtype), new_v.astype(nu.dtype), u.astype(g.dtype)
   )
 
 
@@ -2034,7 +2063,7 @@ def _planner(
     return dense_storage(shape, name)
 
   def storages_of(tree):
-    plans, treedef = _scoping.plan_scope(tree, where=where)
+    plans, treedef = _scoping.plan_scope(tree, where=where, complex_ok=True)
     paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
     leaves = treedef.flatten_up_to(tree)
     storages = [
