@@ -43,6 +43,7 @@ from magma_optax import _blocks
 from magma_optax import _compat
 from magma_optax import _labels
 from magma_optax import _schedules
+from magma_optax import _trees
 
 KeyPath = tuple[Any, ...]
 Where = Callable[[KeyPath, Any], bool] | Any | None
@@ -143,8 +144,22 @@ def plan_leaves(
   """
   paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
   leaves = [x for _, x in paths_leaves]
+  # The default labels, and the paper's scope, from the whole tree: a leaf's
+  # siblings may say what its own name does not (``_labels.tree_classify``).
+  tree_labels, context = None, []
+  if labels in (None, _labels.transformer_labels) or (
+    where is _labels.attention_mlp_weights
+  ):
+    slots = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_trees.is_masked)[0]
+    context = [p for p, x in slots if _trees.is_masked(x)]
+    tree_labels = [label for label, _ in _labels.tree_classify(paths_leaves, context)]
   if where is None:
     scoped = [True] * len(leaves)
+  elif where is _labels.attention_mlp_weights:
+    scoped = [
+      jnp.ndim(x) >= 2 and label in ("attention", "mlp")
+      for x, label in zip(leaves, tree_labels, strict=True)
+    ]
   else:
     scoped = [
       _as_bool(s, path)
@@ -152,17 +167,15 @@ def plan_leaves(
         _per_leaf(where, paths_leaves, treedef, "where"), paths_leaves, strict=True
       )
     ]
-  label_list = _per_leaf(
-    _labels.transformer_labels if labels is None else labels,
-    paths_leaves,
-    treedef,
-    "labels",
-  )
+  if labels in (None, _labels.transformer_labels):
+    label_list = tree_labels
+  else:
+    label_list = _per_leaf(labels, paths_leaves, treedef, "labels")
   by_label = isinstance(keep_prob, Mapping)
   if leaves and (
     where is _labels.attention_mlp_weights or (labels is None and by_label)
   ):
-    _labels.warn_if_scope_misses(paths_leaves)
+    _labels.warn_if_scope_misses(paths_leaves, context)
   if by_label:
     unknown = set(keep_prob) - set(label_list)
     if unknown and leaves:  # no leaves: optax.tree.map_params' placeholder
@@ -171,6 +184,7 @@ def plan_leaves(
         f" labels present are {sorted(set(label_list))}."
       )
   plans = []
+  in_scope = []
   for i, ((path, x), ok, label) in enumerate(
     zip(paths_leaves, scoped, label_list, strict=True)
   ):
@@ -184,6 +198,7 @@ def plan_leaves(
       p = keep_prob.get(label)
     else:
       p = keep_prob
+    in_scope.append(bool(ok and floating))
     if ok and floating:
       layout = _blocks.block_layout(jnp.shape(x), granularity, stack_axes)
       plans.append(
@@ -193,6 +208,8 @@ def plan_leaves(
       plans.append(
         LeafPlan(i, str(label), None, None, path_id(path), jax.tree_util.keystr(path))
       )
+  if where is not None:
+    _labels.warn_if_attention_split(paths_leaves, in_scope)
   return plans, treedef
 
 
