@@ -436,11 +436,19 @@ def _reject_explicit(grad: Any, mask: Any, what: str, items: str) -> None:
   """Flat (index-addressed) storages cannot follow an ``Explicit`` sharding."""
   axes = _explicit_axes(grad) | _explicit_axes(mask)
   if axes:
+    fix = (
+      " For tile storage, keep one per shard instead: give periodic_mask and"
+      " sparse_state / sparse_adam the same"
+      " shards=magma.sharding.tile_shards(params)."
+      if items == "tiles"
+      else ""
+    )
     raise ValueError(
       f"sparse_state: {what} does not support leaves sharded over Explicit mesh"
       f" axes ({sorted(axes)}): it keeps one vector of the active {items} per"
-      " leaf, addressed by global indices. Use mode='skip', or N:M compact"
-      " storage (structure=(n, m)), which keeps the parameter's sharding."
+      f" leaf, addressed by global indices.{fix} Or use mode='skip', or N:M"
+      " compact storage (structure=(n, m)), which keeps the parameter's sharding."
+      " (jax.make_mesh gives Explicit axes unless axis_types= says otherwise.)"
     )
 
 

@@ -35,7 +35,10 @@ PARAMS = {
 )
 def test_the_report_matches_what_magma_masks(kwargs, capsys):
   report = magma.scope_report(PARAMS, **kwargs)
+  assert capsys.readouterr().out == ""  # printing is the caller's: once
+  print(report)
   printed = capsys.readouterr().out
+  assert printed == str(report) + "\n" and repr(report) == str(report)
   assert printed.splitlines()[0].split() == [
     "path", "shape", "dtype", "label", "masked", "keep_prob", "blocks"
   ]  # fmt: skip
