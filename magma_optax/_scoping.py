@@ -146,10 +146,9 @@ def plan_leaves(
   leaves = [x for _, x in paths_leaves]
   # The default labels, and the paper's scope, from the whole tree: a leaf's
   # siblings may say what its own name does not (``_labels.tree_classify``).
+  default_labels = labels is None or labels is _labels.transformer_labels
   tree_labels, context = None, []
-  if labels in (None, _labels.transformer_labels) or (
-    where is _labels.attention_mlp_weights
-  ):
+  if default_labels or where is _labels.attention_mlp_weights:
     slots = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_trees.is_masked)[0]
     context = [p for p, x in slots if _trees.is_masked(x)]
     tree_labels = [label for label, _ in _labels.tree_classify(paths_leaves, context)]
@@ -167,7 +166,7 @@ def plan_leaves(
         _per_leaf(where, paths_leaves, treedef, "where"), paths_leaves, strict=True
       )
     ]
-  if labels in (None, _labels.transformer_labels):
+  if default_labels:
     label_list = tree_labels
   else:
     label_list = _per_leaf(labels, paths_leaves, treedef, "labels")
