@@ -99,3 +99,14 @@ def test_keys_per_member_inside_vmap_are_used_by_the_draws():
     updates, _ = jax.vmap(tx.update)(grads, init(keys, params), params)
     rows = {tuple(np.asarray(u) != 0) for u in updates["w"]}
     assert (len(rows) == 4) == distinct
+
+
+def test_the_quick_start_installs_what_each_command_needs():
+  # The demo needs the demo extra (flax, matplotlib), not the test extras.
+  text = (ROOT / "README.md").read_text()
+  quick = text.split("## Quick start", 1)[1].split("```bash", 1)[1].split("```")[0]
+  lines = [line for line in quick.splitlines() if "pip install" in line]
+  demo = [line for line in lines if "magma_optax.demo" in line]
+  tests = [line for line in lines if "pytest" in line]
+  assert len(demo) == 1 and '".[demo]"' in demo[0], demo
+  assert len(tests) == 1 and '".[test]"' in tests[0], tests
