@@ -167,7 +167,9 @@ def adam_magma(
     weight_decay: decoupled weight decay >= 0 (AdamW), float or schedule; applied to
       every leaf, like ``optax.adamw(mask=None)``. Needs ``params`` in ``update``.
     mu_dtype: dtype of the first moment (default: the parameter's).
-    tau: temperature tau > 0 of Magma's sigmoid (paper: 2.0); float or schedule.
+    tau: temperature tau >= 1e-3 of Magma's sigmoid (paper: 2.0); float or
+      schedule. A schedule is checked at step 0 and raised to 1e-3 at every step
+      where it falls below (0 would make the scores NaN).
     keep_prob: probability in (0, 1] of keeping a block (paper: 0.5); float,
       schedule or mapping label -> probability.
     key: PRNG key (int or ``jax.random.key``), keyword-only, default 0.
@@ -243,6 +245,7 @@ def adam_magma(
   engine = _engine.BlockMask(
     _engine.from_arguments(_engine.MaskConfig.create, arguments),
     rule,
+    name="adam_magma",
   )
 
   def init_fn(params):
@@ -261,6 +264,8 @@ def adam_magma(
   def update_fn(updates, state, params=None, *, param_mask=None, **extra_args):
     del extra_args
     _check_real(updates)
+    _trees.check_shapes("adam_magma", updates, params)
+    _trees.check_shapes("adam_magma", updates, state.mu, "Adam's first moment there")
     if has_decay and params is None:
       raise ValueError(
         "adam_magma with weight_decay needs the params: call update(grads,"

@@ -48,6 +48,11 @@ from magma_optax import _schedules
 from magma_optax import _scoping
 from magma_optax import _trees
 
+# The smallest tau a step uses: below it (0 included) a schedule or an injected
+# value is raised to it at every step, as keep probabilities are clipped; at tau = 0
+# a zero cosine gives cos / tau = 0 / 0, a NaN score.
+TAU_FLOOR = 1e-3
+
 
 class AlignmentMaskState(NamedTuple):
   """State of :func:`alignment_mask` (and of the mask inside :func:`magma`).
@@ -397,7 +402,9 @@ class AlignmentRule(_engine.Rule):
   ) -> AlignmentRule:
     """Checks every hyperparameter (``ValueError`` naming it)."""
     return cls(
-      tau=_schedules.check_positive("tau", tau),
+      tau=_schedules.check_range(
+        "tau", tau, TAU_FLOOR, float("inf"), low_open=False, high_open=True
+      ),
       score_decay=_schedules.check_decay("score_decay", score_decay),
       init_score=_schedules.check_range(
         "init_score", init_score, 0.0, 1.0, low_open=False, high_open=False
@@ -415,8 +422,9 @@ class AlignmentRule(_engine.Rule):
     return out
 
   def score(self, prev: jax.Array, cos: jax.Array, count: jax.Array) -> jax.Array:
-    """``s_t`` from ``s_{t-1}`` and this step's block cosines (NaN: keep ``s``)."""
-    inv_tau = 1.0 / _schedules.evaluate(self.tau, count)
+    """``s_t`` from ``s_{t-1}`` and this step's block cosines (NaN: keep ``s``),
+    with ``tau`` at this step raised to :data:`TAU_FLOOR`."""
+    inv_tau = 1.0 / jnp.maximum(_schedules.evaluate(self.tau, count), TAU_FLOOR)
     return next_score(prev, cos, inv_tau, self.score_decay)
 
   def measure(self, leaf: _engine.LeafStep) -> tuple[jax.Array, tuple]:
@@ -479,7 +487,9 @@ def alignment_mask(
   update: use :func:`magma_optax.magma` for that.
 
   Args:
-    tau: temperature tau > 0 of the sigmoid (float or schedule).
+    tau: temperature tau >= 1e-3 of the sigmoid (float or schedule). A
+      schedule is checked at step 0 and raised to 1e-3 at every step where it
+      falls below (0 would make the scores NaN).
     keep_prob: probability in (0, 1] of keeping a block (float, schedule, or a
       mapping label -> probability).
     key: PRNG key (int or ``jax.random.key``); keyword-only, default 0.
@@ -514,4 +524,5 @@ def alignment_mask(
   return _engine.BlockMask(
     _engine.from_arguments(_engine.MaskConfig.create, arguments),
     _engine.from_arguments(AlignmentRule.create, arguments),
+    name="alignment_mask",
   ).transformation()

@@ -8,6 +8,7 @@ importance is one of
 * a callable ``(param, grad) -> scores`` of the leaf's shape (e.g. ``|g|`` for
   gradient-based regrowth).
 
+A complex weight or gradient counts by its magnitude (``|W|`` is the modulus).
 Scores are float32; NaN scores become ``-inf`` (they rank last) and ``-0.0``
 becomes ``+0.0`` (so that the two tie in the order-preserving keys of
 :mod:`magma_optax._topk`).
@@ -45,6 +46,13 @@ def validate(importance: Any) -> Importance:
   return importance
 
 
+def _real(x: jax.Array) -> jax.Array:
+  """``x`` as float32; a complex ``x`` as its magnitude (whose abs is itself)."""
+  if jnp.iscomplexobj(x):
+    return jnp.abs(x).astype(jnp.float32)
+  return x.astype(jnp.float32)
+
+
 def scores(
   importance: Importance, param: jax.Array, grad: jax.Array, nan_last: bool = True
 ) -> jax.Array:
@@ -54,14 +62,20 @@ def scores(
   scores and handles NaN in the sums (:func:`magma_optax._topk.tile_sum`): a
   select before the sum makes XLA:CPU write every score to memory first.
   """
-  p = param.astype(jnp.float32)
-  g = grad.astype(jnp.float32)
+  p, g = (_real(x) for x in (param, grad))
   if importance == "magnitude_grad":
     s = jnp.abs(p) * jnp.abs(g)
   elif importance == "magnitude":
     s = jnp.abs(p)
   else:
-    s = jnp.asarray(importance(param, grad), jnp.float32)
+    s = importance(param, grad)
+    if jnp.iscomplexobj(s):
+      raise ValueError(
+        f"importance callable returned complex scores ({jnp.result_type(s)}) for"
+        f" a parameter of dtype {param.dtype}; return real scores, e.g."
+        " jnp.abs(param) * jnp.abs(grad)."
+      )
+    s = jnp.asarray(s, jnp.float32)
     if s.shape != param.shape:
       raise ValueError(
         f"importance callable returned shape {s.shape} for a parameter of shape"

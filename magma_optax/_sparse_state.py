@@ -436,11 +436,19 @@ def _reject_explicit(grad: Any, mask: Any, what: str, items: str) -> None:
   """Flat (index-addressed) storages cannot follow an ``Explicit`` sharding."""
   axes = _explicit_axes(grad) | _explicit_axes(mask)
   if axes:
+    fix = (
+      " For tile storage, keep one per shard instead: give periodic_mask and"
+      " sparse_state / sparse_adam the same"
+      " shards=magma.sharding.tile_shards(params)."
+      if items == "tiles"
+      else ""
+    )
     raise ValueError(
       f"sparse_state: {what} does not support leaves sharded over Explicit mesh"
       f" axes ({sorted(axes)}): it keeps one vector of the active {items} per"
-      " leaf, addressed by global indices. Use mode='skip', or N:M compact"
-      " storage (structure=(n, m)), which keeps the parameter's sharding."
+      f" leaf, addressed by global indices.{fix} Or use mode='skip', or N:M"
+      " compact storage (structure=(n, m)), which keeps the parameter's sharding."
+      " (jax.make_mesh gives Explicit axes unless axis_types= says otherwise.)"
     )
 
 
@@ -1645,8 +1653,8 @@ def sparse_state(
       skip storage (default 0.6).
     offload_after: K >= 1, steps of an all-inactive mask after which a leaf is cold
       (offload mode).
-    where: which leaves get sparse storage (``None``: all floating leaves); others
-      are updated densely by ``base``.
+    where: which leaves get sparse storage (``None``: all floating leaves, real or
+      complex, in every storage); others are updated densely by ``base``.
     cache_index: unstructured compact storage (``density`` without ``structure``
       or ``block``) keeps the int32 indices of its stored entries (4 bytes per
       slot) so that their index is rebuilt only when the mask changes (default).
@@ -1763,6 +1771,8 @@ def sparse_adam(
   Everything is computed in float32 (``optax.adam`` on bfloat16 moments computes
   in bfloat16): on float32 parameters the moments equal those of
   ``sparse_state(optax.adam(...))`` and the updates agree to float32 rounding.
+  Complex leaves take Adam's complex step (``nu`` the EMA of ``|g|^2``, as in
+  ``optax.adam``) in XLA in every storage, whatever ``implementation``.
 
   Args:
     learning_rate: a float or an ``optax`` schedule, as in ``optax.adam``.
@@ -1849,7 +1859,12 @@ def sparse_adam(
     new_mu, new_nu, updates = [], [], []
     leaves = zip(storages, ctx, stored_masks, flat_g, mus, nus, strict=True)
     for s, c, mask, g, m, v in leaves:
-      if isinstance(s, _Tiles | _ShardedTiles):
+      if jnp.iscomplexobj(g):  # the stored entries, in complex arithmetic
+        frozen = isinstance(s, _Skip) and not _trees.is_masked(mask)
+        out = _complex_adam(
+          s.gather(c, g), m, v, mask if frozen else None, hyper, constants
+        )
+      elif isinstance(s, _Tiles | _ShardedTiles):
 
         def tile_step(g, m, v, c, count, lr):
           return tiles.tile_adam(
@@ -1892,7 +1907,35 @@ def sparse_adam(
 
   # The step returns frozen moments already (merged, or compact).
   return _transformation(
-    base, storages_of, offload_after, step, frozen=True, on_error=on_error
+    base,
+    storages_of,
+    offload_after,
+    step,
+    frozen=True,
+    on_error=on_error,
+    name="sparse_adam",
+  )
+
+
+def _complex_adam(g, mu, nu, mask, hyper, constants):
+  """Adam's step on complex stored entries, as ``optax.adam`` computes it:
+  ``nu`` is the EMA of ``|g|^2`` (real values in the parameter's complex dtype),
+  the update ``m_hat / (sqrt(v_hat + eps_root) + eps)`` complex; frozen where
+  ``mask`` (skip storage) is False. The fused real steps would drop ``Im g``."""
+  dtype = jnp.promote_types(g.dtype, jnp.complex64)
+  g, m = g.astype(dtype), mu.astype(dtype)
+  v = jnp.real(nu.astype(dtype))
+  new_m = (1 - constants.b1) * g + constants.b1 * m
+  new_v = (1 - constants.b2) * jnp.real(jnp.conj(g) * g) + constants.b2 * v
+  if mask is not None:
+    new_m = _freeze.kept(mask, new_m, m)
+    new_v = _freeze.kept(mask, new_v, v)
+  bc1 = hyper[reference.BIAS_CORRECTION1].astype(new_v.dtype)
+  bc2 = hyper[reference.BIAS_CORRECTION2].astype(new_v.dtype)
+  u = (new_m / bc1) / (jnp.sqrt(new_v / bc2 + constants.eps_root) + constants.eps)
+  u = u * -hyper[reference.LEARNING_RATE].astype(new_v.dtype)
+  return tiles.TileAdamOutput(
+    new_m.astype(mu.dtype), new_v.astype(nu.dtype), u.astype(g.dtype)
   )
 
 
@@ -2028,7 +2071,7 @@ def _planner(
     return dense_storage(shape, name)
 
   def storages_of(tree):
-    plans, treedef = _scoping.plan_scope(tree, where=where)
+    plans, treedef = _scoping.plan_scope(tree, where=where, complex_ok=True)
     paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
     leaves = treedef.flatten_up_to(tree)
     storages = [
@@ -2119,7 +2162,13 @@ def _value_dependent_init(base, params, treedef, storages) -> str | None:
 
 
 def _transformation(
-  base, storages_of, offload_after, step, frozen=False, on_error="raise"
+  base,
+  storages_of,
+  offload_after,
+  step,
+  frozen=False,
+  on_error="raise",
+  name="sparse_state",
 ):
   """The transformation over ``base``'s state at the storages' shapes; ``step``
   computes the stored updates and the new base state (:func:`_base_step`), with
@@ -2248,10 +2297,29 @@ def _transformation(
     return out
 
   def check_state(state, updates):
-    """A state whose stored shapes are not this storage's (built with other
-    arguments, e.g. restored after ``shards`` or ``density`` changed) is a
-    ``ValueError`` that says where, not a shape error deep in the step."""
+    """Gradients whose tree is not the one the state was built for, and a state
+    whose stored shapes are not what these gradients need (gradients of other
+    shapes than the parameters', or a state built with other arguments, e.g.
+    restored after ``shards`` or ``density`` changed), raise a ``ValueError``
+    that says where, not a shape error deep in the step."""
     want = jax.eval_shape(init_fn, updates)
+    # One entry per leaf, whatever its storage: the parameters' tree.
+    tree_of = lambda s: jax.tree.structure(s.inactive_steps, is_leaf=_trees.is_masked)
+    if tree_of(state) != tree_of(want):
+      got = jax.tree_util.tree_flatten_with_path(state.inactive_steps, _trees.is_masked)
+      paths = {jax.tree_util.keystr(p) for p, _ in got[0]}
+      grads = jax.tree_util.tree_flatten_with_path(updates)[0]
+      extra = sorted({jax.tree_util.keystr(p) for p, _ in grads} - paths)
+      missing = sorted(paths - {jax.tree_util.keystr(p) for p, _ in grads})
+      raise ValueError(
+        f"{name}: the gradients' tree is not the parameter tree this state was"
+        f" built for (by init). Leaves of the gradients that the state has not:"
+        f" {extra[:3] or 'none'}{' ...' if len(extra) > 3 else ''}; leaves of"
+        f" the state that the gradients have not: {missing[:3] or 'none'}"
+        f"{' ...' if len(missing) > 3 else ''}. Pass gradients with the"
+        " parameters' tree (the same containers, e.g. both nnx.State or both"
+        " dicts), or call init with the tree the gradients have."
+      )
     got = jax.tree_util.tree_flatten_with_path(state)[0]
     if len(got) == len(jax.tree.leaves(want)):
       for (path, x), w in zip(got, jax.tree.leaves(want), strict=True):  # noqa: B007
@@ -2259,18 +2327,28 @@ def _transformation(
           break
       else:
         return
-      where = f"at {jax.tree_util.keystr(path)} shape {tuple(jnp.shape(x))}, this"
-      where += f" storage keeps {tuple(w.shape)}"
+      where = f"at {jax.tree_util.keystr(path)} shape {tuple(jnp.shape(x))}, where"
+      where += f" these gradients need {tuple(w.shape)}"
+      state_path = jax.tree_util.keystr(path)
+      for grad_path, g in jax.tree_util.tree_flatten_with_path(updates)[0]:
+        if state_path.endswith(jax.tree_util.keystr(grad_path)):
+          where += (
+            f"; the gradient at {jax.tree_util.keystr(grad_path)} has shape"
+            f" {tuple(jnp.shape(g))}"
+          )
+          break
     else:
       where = "its structure differs"
     raise ValueError(
-      f"sparse_state: the state was not built by this transform's init ({where})."
-      " Was it built with other storage arguments (mode, density, structure,"
-      " block, shards, where, density_threshold, on_error)? Use the same ones,"
-      " or call init again."
+      f"{name}: the state does not fit these gradients ({where}). Do the"
+      " gradients have their parameters' shapes? Else the state was not built by"
+      " this transform's init: was it built with other storage arguments (mode,"
+      " density, structure, block, shards, where, density_threshold, on_error)?"
+      " Use the same ones, or call init again."
     )
 
   def update_fn(updates, state, params=None, *, param_mask=None, **extra_args):
+    _trees.check_shapes(name, updates, params)
     check_state(state, updates)
     storages, treedef = storages_of(updates)
     flat_g = treedef.flatten_up_to(updates)
