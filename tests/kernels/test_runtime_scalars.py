@@ -13,10 +13,10 @@ an argument too, as it comes from a state: a constant count lets XLA fold the bi
 correction of Python floats into the interpreted kernels, which rounds otherwise.)
 The traced step is also checked against float64 numpy: rtol 1e-6 (1e-5 for the
 update, and for the tile step, whose moments cancel in a few entries: there an atol
-of 1e-6 of the array's largest magnitude; f32 rounding). For other
-values ``1 - b`` of a float32 ``b`` differs in its last bits from ``1 - b`` of a
-Python float, as in ``optax.adam`` and its injected version (tests/test_optax_
-contract.py compares those).
+of 1e-6 of the array's largest magnitude; f32 rounding). For other values
+``1 - b`` of a float32 ``b`` differs in its last bits from ``1 - b`` of a Python
+float, as in ``optax.adam`` and its injected version
+(tests/test_inject_hyperparams.py compares those).
 """
 
 import jax
