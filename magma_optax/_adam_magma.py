@@ -91,27 +91,6 @@ def _check_real(tree: Any) -> None:
     )
 
 
-def _static_float(name: str, value: Any, valid: str) -> float:
-  """A Python float from ``value``; traced values cannot be kernel constants."""
-  if _compat.is_tracer(value):
-    raise ValueError(
-      f"{name} must be a Python float ({valid}), not a traced value: it is a"
-      " constant of the fused kernel. With optax.inject_hyperparams, pass"
-      " static_args=('b1', 'b2', 'eps', 'eps_root')."
-    )
-  if isinstance(value, bool):
-    raise ValueError(f"{name} must be a float {valid}; got {value!r}.")
-  try:
-    return float(value)
-  except (TypeError, ValueError):
-    raise ValueError(f"{name} must be a float {valid}; got {value!r}.") from None
-
-
-def _check_unit(name: str, value: Any) -> float:
-  value = _static_float(name, value, "in [0, 1)")
-  return float(_schedules.check_decay(name, value))
-
-
 def _check_nonnegative(name: str, value: Any) -> Any:
   return _schedules.check_range(
     name, value, 0.0, float("inf"), low_open=False, high_open=True
@@ -121,10 +100,10 @@ def _check_nonnegative(name: str, value: Any) -> Any:
 def adam_magma(
   learning_rate: _schedules.ScalarOrSchedule,
   *,
-  b1: float = 0.9,
-  b2: float = 0.999,
-  eps: float = 1e-8,
-  eps_root: float = 0.0,
+  b1: jax.typing.ArrayLike = 0.9,
+  b2: jax.typing.ArrayLike = 0.999,
+  eps: jax.typing.ArrayLike = 1e-8,
+  eps_root: jax.typing.ArrayLike = 0.0,
   weight_decay: _schedules.ScalarOrSchedule = 0.0,
   mu_dtype: Any = None,
   tau: _schedules.ScalarOrSchedule = 2.0,
@@ -163,7 +142,13 @@ def adam_magma(
   Args:
     learning_rate: float or ``optax.Schedule`` of the step count.
     b1, b2: Adam's decay rates, in [0, 1).
-    eps, eps_root: Adam's epsilons, >= 0.
+    eps, eps_root: Adam's epsilons, >= 0. These four are Python floats or scalar
+      arrays, read by every implementation at run time: under
+      ``optax.inject_hyperparams(magma.adam_magma)(learning_rate=...)`` they are
+      injected (traced) like ``optax.adam``'s, and Adam's moments equal those
+      of ``optax.adam`` injected the same way (``1 - b`` of a float32 ``b``
+      may differ in its last bits from that of a Python float: see
+      :func:`magma_optax.kernels.reference.decay`).
     weight_decay: decoupled weight decay >= 0 (AdamW), float or schedule; applied to
       every leaf, like ``optax.adamw(mask=None)``. Needs ``params`` in ``update``.
     mu_dtype: dtype of the first moment (default: the parameter's).
@@ -215,13 +200,7 @@ def adam_magma(
     arXiv 1412.6980; Loshchilov & Hutter, AdamW, arXiv 1711.05101.
   """
   arguments = dict(locals())  # the arguments, for from_arguments below
-  b1 = _check_unit("b1", b1)
-  b2 = _check_unit("b2", b2)
-  eps = _static_float("eps", eps, ">= 0")
-  eps_root = _static_float("eps_root", eps_root, ">= 0")
-  for name, value in (("eps", eps), ("eps_root", eps_root)):
-    if value < 0:
-      raise ValueError(f"{name} must be a float >= 0; got {value!r}.")
+  _schedules.check_adam(b1, b2, eps, eps_root)
   learning_rate = _check_nonnegative("learning_rate", learning_rate)
   weight_decay = _check_nonnegative("weight_decay", weight_decay)
   if isinstance(implementation, str) or implementation is None:
@@ -267,9 +246,16 @@ def adam_magma(
     _trees.check_shapes("adam_magma", updates, params)
     _trees.check_shapes("adam_magma", updates, state.mu, "Adam's first moment there")
     if has_decay and params is None:
+      hint = ""
+      if _compat.is_tracer(weight_decay):
+        hint = (
+          " weight_decay is traced (optax.inject_hyperparams injects it, its"
+          " default 0.0 included), so the step cannot know it is 0: pass the"
+          " params, or static_args=('weight_decay',)."
+        )
       raise ValueError(
         "adam_magma with weight_decay needs the params: call update(grads,"
-        " state, params)."
+        f" state, params).{hint}"
       )
     mask_state = state.mask_state
     plans, treedef, masks, _ = engine.prepare(updates, mask_state)
@@ -359,7 +345,7 @@ def adam_magma(
   return optax.GradientTransformationExtraArgs(*_compat.typed(init_fn, update_fn))
 
 
-def _settle(pending: list[Any], b1: float) -> tuple[list[Any], list[Any], list[Any]]:
+def _settle(pending: list[Any], b1: Any) -> tuple[list[Any], list[Any], list[Any]]:
   """The scoped leaves' sums with non-finite blocks made exact; the carries.
 
   Returns ``(pending, sums, norms)`` per leaf (``None`` for unscoped leaves):
@@ -418,7 +404,7 @@ def _settle(pending: list[Any], b1: float) -> tuple[list[Any], list[Any], list[A
   return pending, sums, norms
 
 
-def _moment(b1: float, mu: jax.Array, grad: jax.Array) -> jax.Array:
+def _moment(b1: Any, mu: jax.Array, grad: jax.Array) -> jax.Array:
   """``m_t = (1 - b1) g + b1 m_{t-1}`` in ``mu``'s dtype, from inputs of its own
   (a barrier's outputs), so that each reduction computes it in its own pass."""
   return kernels.api.next_moment(b1, *jax.lax.optimization_barrier((mu, grad)))

@@ -217,6 +217,7 @@ import optax
 from magma_optax import _compat
 from magma_optax import _engine
 from magma_optax import _freeze
+from magma_optax import _schedules
 from magma_optax import _scoping
 from magma_optax import _topk
 from magma_optax import _trees
@@ -1623,6 +1624,12 @@ def sparse_state(
       than ``n`` active entries is a capacity overflow. ``m > 32``: flat storage of
       exact capacity ``size * n / m``.
     axis: the axis of the N:M groups (default: the last, as ``periodic_mask``).
+      The numbers that shape compact storage -- ``density``,
+      ``density_threshold`` and, with ``structure``, ``axis`` -- must be Python
+      numbers: under ``optax.inject_hyperparams``, which injects every numeric
+      argument as an array, list them in ``static_args`` (their error names
+      them). Where the storage does not use them (skip storage, ``axis`` without
+      ``structure``) the injected arrays are ignored.
     block: ``(r, c)`` for tile masks (whole ``r x c`` tiles of the last two axes
       kept or pruned, as ``periodic_mask(..., block=(r, c))`` makes them), with
       ``mode="compact"`` (or ``"offload"``: the same storage, whose buffers can move
@@ -1652,7 +1659,7 @@ def sparse_state(
     density_threshold: leaves with capacity above this fraction of their size use
       skip storage (default 0.6).
     offload_after: K >= 1, steps of an all-inactive mask after which a leaf is cold
-      (offload mode).
+      (offload mode); read at run time (an injected array is fine).
     where: which leaves get sparse storage (``None``: all floating leaves, real or
       complex, in every storage); others are updated densely by ``base``.
     cache_index: unstructured compact storage (``density`` without ``structure``
@@ -1728,10 +1735,10 @@ def sparse_state(
 
 def sparse_adam(
   learning_rate: optax.ScalarOrSchedule,
-  b1: float = 0.9,
-  b2: float = 0.999,
-  eps: float = 1e-8,
-  eps_root: float = 0.0,
+  b1: jax.typing.ArrayLike = 0.9,
+  b2: jax.typing.ArrayLike = 0.999,
+  eps: jax.typing.ArrayLike = 1e-8,
+  eps_root: jax.typing.ArrayLike = 0.0,
   *,
   mode: str = "skip",
   density: float | None = None,
@@ -1776,10 +1783,14 @@ def sparse_adam(
 
   Args:
     learning_rate: a float or an ``optax`` schedule, as in ``optax.adam``.
-    b1, b2, eps, eps_root: Adam's constants (static floats: with
-      ``optax.inject_hyperparams``, pass
-      ``static_args=magma.sparse_adam.static_args`` -- these and the storage's
-      numbers -- to inject the learning rate).
+    b1, b2, eps, eps_root: Adam's decay rates (in [0, 1)) and epsilons (>= 0):
+      Python floats or scalar arrays, read at run time by every storage's step
+      and kernel, so ``optax.inject_hyperparams(magma.sparse_adam)(...)``
+      injects them like ``optax.adam``'s. The storage's numbers that shape
+      compact storage must stay static: ``static_args=("density",
+      "density_threshold")``, plus ``"axis"`` with ``structure`` (their errors
+      say so); ``magma.sparse_adam.static_args`` lists every argument that may
+      stay static.
     mode: ``"skip"``, ``"compact"`` or ``"offload"``, as in :func:`sparse_state`.
     density, structure, axis, block, shards: the storage, as in
       :func:`sparse_state`.
@@ -1807,16 +1818,8 @@ def sparse_adam(
     >>> state.inner_state.base_state[0].mu["w"].shape
     (2, 2, 2)
   """
-  constants = []
-  for name, value in (("b1", b1), ("b2", b2), ("eps", eps), ("eps_root", eps_root)):
-    if isinstance(value, bool) or not isinstance(value, int | float):
-      raise ValueError(
-        f"sparse_adam: {name} must be a Python float (static: it is compiled into"
-        f" the step); got {value!r}. With optax.inject_hyperparams, pass"
-        f" static_args=('b1', 'b2', 'eps', 'eps_root')."
-      )
-    constants.append(float(value))
-  constants = reference.AdamConstants(*constants)
+  _schedules.check_adam(b1, b2, eps, eps_root)
+  constants = reference.AdamConstants(b1, b2, eps, eps_root)
   if not callable(learning_rate) and (
     isinstance(learning_rate, bool | str | list | tuple | dict)
     or learning_rate is None
@@ -1842,7 +1845,7 @@ def sparse_adam(
     dtypes=(jnp.float32,),
     interpret=interpret,
   )
-  base = optax.adam(learning_rate, *constants[:3], eps_root=constants.eps_root)
+  base = optax.adam(learning_rate, b1, b2, eps, eps_root=eps_root)
 
   def step(storages, ctx, treedef, flat_g, flat_p, state, stored_masks, extra_args):
     del flat_p, extra_args
@@ -1866,24 +1869,30 @@ def sparse_adam(
         )
       elif isinstance(s, _Tiles | _ShardedTiles):
 
-        def tile_step(g, m, v, c, count, lr):
+        def tile_step(g, m, v, c, count, lr, arrays):
+          adam = constants._replace(**arrays)
           return tiles.tile_adam(
-            g, m, v, c, count=count, learning_rate=lr, b1=constants.b1,
-            b2=constants.b2, eps=constants.eps, eps_root=constants.eps_root,
-            implementation=implementation, interpret=interpret,
+            g, m, v, c, count=count, learning_rate=lr, b1=adam.b1, b2=adam.b2,
+            eps=adam.eps, eps_root=adam.eps_root, implementation=implementation,
+            interpret=interpret,
           )  # fmt: skip
 
+        # Injected (array) constants come in as arguments, as per_part needs its
+        # arrays; Python floats stay closed over (1 - b in double, as optax.adam).
+        arrays = {
+          k: x for k, x in constants._asdict().items() if not isinstance(x, int | float)
+        }
         if isinstance(s, _ShardedTiles):  # one step per part, batched over them
           g = _topk.split_parts(g, s.parts)
-          axes = (0, 0, 0, 0, None, None)
-          out = s.per_part(tile_step, g, m, v, c, count, lr, in_axes=axes)
+          axes = (0, 0, 0, 0, None, None, None)
+          out = s.per_part(tile_step, g, m, v, c, count, lr, arrays, in_axes=axes)
         else:
-          out = tile_step(g, m, v, c, count, lr)
+          out = tile_step(g, m, v, c, count, lr, arrays)
       else:
         g = s.gather(c, g)
         frozen = isinstance(s, _Skip) and not _trees.is_masked(mask)
         # With a mask, reference.moments keeps the frozen entries (merged first).
-        m32, v32 = reference.moments(g, m, v, constants, mask if frozen else None)
+        m32, v32 = reference.moments(g, m, v, hyper, mask if frozen else None)
         if frozen:
           # The update computed from the merged moments as stored (the barrier):
           # XLA then writes them in place and the update's loop reads them,
@@ -1893,8 +1902,8 @@ def sparse_adam(
             (m32.astype(m.dtype), v32.astype(v.dtype))
           )
         u = reference.update(
-          m32.astype(jnp.float32), v32.astype(jnp.float32), hyper, constants,
-          layout=None, dtype=g.dtype,
+          m32.astype(jnp.float32), v32.astype(jnp.float32), hyper, layout=None,
+          dtype=g.dtype,
         )  # fmt: skip
         out = tiles.TileAdamOutput(m32.astype(m.dtype), v32.astype(v.dtype), u)
       new_mu.append(out.mu)
@@ -1939,11 +1948,48 @@ def _complex_adam(g, mu, nu, mask, hyper, constants):
   )
 
 
-# What optax.inject_hyperparams must leave static (numbers that shape the step).
+# What optax.inject_hyperparams may leave static: the numbers that shape compact
+# storage (they must be static where they do), and the arguments it would take for
+# schedules (callables) or inject (numbers) although they are neither.
 sparse_adam.static_args = (
-  "b1", "b2", "eps", "eps_root", "density", "density_threshold", "offload_after",
-  "axis", "cache_index", "shards", "where", "interpret",
+  "density", "density_threshold", "offload_after", "axis", "cache_index", "shards",
+  "where", "interpret",
 )  # fmt: skip
+
+
+def _storage_number(
+  name: str, value: Any, valid: str, ok: Any, static: tuple[str, ...] | None
+) -> Any:
+  """``value``, a storage argument, checked: ``ok(x)`` for a Python number ``x``.
+
+  A JAX array -- ``optax.inject_hyperparams`` passes one for every numeric argument,
+  traced under ``jit`` -- is refused where the argument shapes the storage
+  (``static``: the ``static_args`` to name) and otherwise taken as given (checked
+  if concrete): the chosen storage ignores it, or reads it at run time.
+
+  Raises:
+    ValueError: naming the argument, the value, what is valid and, for an array
+      that must be static, the ``static_args`` to pass.
+  """
+  if isinstance(value, jax.Array):
+    if static is not None:
+      raise ValueError(
+        f"{name} must be static ({valid}, a Python number): it shapes compact"
+        f" storage; got {value!r}. With optax.inject_hyperparams, pass"
+        f" static_args={static!r}."
+      )
+    if _compat.is_tracer(value):
+      return value
+    probe = value.item() if value.ndim == 0 else value
+  else:
+    probe = value
+  if (
+    isinstance(probe, bool)
+    or not isinstance(probe, numbers.Real)  # Python or numpy scalars
+    or not ok(probe)
+  ):
+    raise ValueError(f"{name} must be {valid}; got {value!r}.")
+  return value
 
 
 def _planner(
@@ -1967,20 +2013,25 @@ def _planner(
     structure = _topk.validate_nm_structure(structure)
     if density is not None:
       raise ValueError("give density or structure, not both.")
-  if density is not None and not (
-    isinstance(density, numbers.Real)  # Python or numpy scalars
-    and not isinstance(density, bool)
-    and 0.0 < float(density) <= 1.0
-  ):
-    hint = ""
-    if isinstance(density, jax.Array):
-      hint = (
-        " It sizes the compact buffers, so it must be a Python number: with"
-        " optax.inject_hyperparams, pass static_args=('density',)."
-      )
-    raise ValueError(f"density must be a float in (0, 1]; got {density!r}.{hint}")
+  # optax.inject_hyperparams injects every numeric argument, defaults included, as
+  # arrays (traced under jit): the numbers that shape compact storage must be static
+  # (an error naming static_args); the others accept its arrays.
+  compact = density is not None or structure is not None
+  static = tuple(
+    name
+    for name, shapes in (
+      ("density", density is not None),
+      ("density_threshold", compact),
+      ("axis", structure is not None),
+    )
+    if shapes
+  )
   if density is not None:
-    density = float(density)
+    density = float(
+      _storage_number(
+        "density", density, "a float in (0, 1]", lambda x: 0.0 < x <= 1.0, static
+      )
+    )
   if block is not None:
     block = _topk.validate_block(block)
     if mode == "skip" or density is None or structure is not None:
@@ -1990,40 +2041,33 @@ def _planner(
         f" structure; got"
         f" mode={mode!r}, density={density!r}, structure={structure!r}."
       )
-  if mode == "skip" and (density is not None or structure is not None):
+  if mode == "skip" and compact:
     raise ValueError(
       f"density= and structure= size compact storage; mode='skip' keeps every"
       f" entry's state and takes neither (got density={density!r},"
       f" structure={structure!r}). Use mode='compact' to store active entries only."
     )
   shards = _topk.validate_shards(shards, block, "sparse_state")
-  if mode == "compact" and density is None and structure is None:
+  if mode == "compact" and not compact:
     raise ValueError(
       "mode='compact' needs density= (the largest active fraction per leaf, in"
       " (0, 1]) or structure=(n, m) to size its fixed-capacity buffers."
     )
-  if not isinstance(density_threshold, int | float) or not (
-    0.0 <= density_threshold <= 1.0
-  ):
-    raise ValueError(
-      f"density_threshold must lie in [0, 1]; got {density_threshold!r}."
-    )
-  if (
-    isinstance(offload_after, bool)
-    or not isinstance(offload_after, int)
-    or (offload_after < 1)
-  ):
-    raise ValueError(
-      f"offload_after must be an int >= 1; got {offload_after!r}. (With"
-      " optax.inject_hyperparams, pass static_args=('axis', 'offload_after').)"
-    )
+  density_threshold = _storage_number(
+    "density_threshold", density_threshold, "a float in [0, 1]",
+    lambda x: 0.0 <= x <= 1.0, static if compact else None,
+  )  # fmt: skip
+  # A run-time value in every mode (compared with each leaf's count of steps).
+  _storage_number(
+    "offload_after", offload_after, "an int >= 1",
+    lambda x: isinstance(x, numbers.Integral) and x >= 1, None,
+  )  # fmt: skip
   if not isinstance(cache_index, bool):
     raise ValueError(f"cache_index must be True or False; got {cache_index!r}.")
-  if isinstance(axis, bool) or not isinstance(axis, int):
-    raise ValueError(
-      f"axis must be an int; got {axis!r}. (With optax.inject_hyperparams, pass"
-      " static_args=('axis', 'offload_after').)"
-    )
+  axis = _storage_number(
+    "axis", axis, "an int", lambda x: isinstance(x, numbers.Integral),
+    static if structure is not None else None,
+  )  # fmt: skip
   # Chosen once: the storage of a scoped leaf that is not compact.
   dense_storage = _Offload if mode == "offload" else _Skip
 
