@@ -133,12 +133,19 @@ def is_hopper(device: Any) -> bool:
   return any(name in kind for name in ("H100", "H200", "H800", "H20", "GH200"))
 
 
-def pallas_backend(interpret: bool | str = False) -> str:
+def pallas_backend(interpret: bool | str = False, platform: str | None = None) -> str:
   """The kernel ``implementation="pallas"`` runs: see :data:`partitioned.BACKENDS`.
 
-  ``"mosaic_tpu"`` on a TPU or with ``interpret="tpu"``; ``"mosaic_gpu"`` with
-  ``interpret="gpu"`` or on a Hopper-class GPU with jax >= 0.12; ``"triton"``
-  otherwise (other GPUs, jax < 0.12, and the generic interpreter).
+  ``"mosaic_tpu"`` with ``interpret="tpu"`` or for a TPU; ``"mosaic_gpu"`` with
+  ``interpret="gpu"`` or for CUDA where a Hopper-class GPU is attached and jax >=
+  0.12; ``"triton"`` otherwise (other GPUs, ROCm, jax < 0.12, the generic
+  interpreter, and CUDA lowered on a machine without a GPU: Mosaic GPU's lowering
+  is registered only where jax's CUDA plugin is installed).
+
+  Args:
+    interpret: as in :func:`masked_adam`.
+    platform: the platform the step is lowered for (``"cuda"``, ``"rocm"``,
+      ``"tpu"``); ``None``: the default backend's.
   """
   interpret = check_interpret(interpret)
   if interpret == "tpu":
@@ -147,12 +154,70 @@ def pallas_backend(interpret: bool | str = False) -> str:
     return "mosaic_gpu"
   if interpret:
     return "triton"
-  backend = jax.default_backend()
-  if backend == "tpu":
+  if platform is None:
+    backend = jax.default_backend()
+    if backend == "tpu":
+      return "mosaic_tpu"
+    hopper = backend == "gpu" and is_hopper(jax.devices()[0])
+    return "mosaic_gpu" if hopper and _compat.has_mosaic_gpu() else "triton"
+  if platform == "tpu":
     return "mosaic_tpu"
-  if backend == "gpu" and _compat.has_mosaic_gpu() and is_hopper(jax.devices()[0]):
+  if platform == "cuda" and _compat.has_mosaic_gpu() and _hopper_attached():
     return "mosaic_gpu"
   return "triton"
+
+
+def _hopper_attached() -> bool:
+  """Whether this process has a CUDA backend whose first GPU is Hopper-class."""
+  try:
+    devices = jax.devices("cuda")
+  except RuntimeError:  # no CUDA backend (no plugin, or no GPU)
+    return False
+  return bool(devices) and is_hopper(devices[0])
+
+
+# The platforms with a Pallas kernel (jax.lax.platform_dependent's names).
+KERNEL_PLATFORMS = ("cuda", "rocm", "tpu")
+
+
+def by_platform(kernel: Callable[..., Any], off_device: Any, *operands: Any) -> Any:
+  """``kernel(backend, *operands)`` with the backend of the platform the step is
+  lowered for (:func:`pallas_backend`), chosen at lowering time: a Pallas step
+  traced on any machine lowers for a GPU or a TPU.
+
+  Args:
+    kernel: ``kernel(backend, *operands)``, the step with that backend's kernel.
+    off_device: ``"xla"`` (``off_device(*operands)`` is then computed by
+      ``kernel(None, *operands)``: XLA where no kernel runs) or ``None`` (lowering
+      for any other platform raises ``ValueError``, saying why).
+    *operands: the arrays (pytrees) the step reads.
+  """
+  import functools
+
+  branches = {
+    platform: functools.partial(kernel, pallas_backend(platform=platform))
+    for platform in KERNEL_PLATFORMS
+  }
+
+  def elsewhere(platform, *args):
+    out = kernel(None, *args)  # XLA: the shapes, and the fallback's values
+    if off_device == "xla":
+      return out
+    return _compat.unavailable(
+      out,
+      f"implementation='pallas' needs a GPU or a TPU, and this step is lowered for"
+      f" {platform}; pass interpret=True, 'tpu' or 'gpu' to run a kernel in an"
+      " interpreter (slow; for tests), implementation='xla', or"
+      " implementation=('pallas', 'xla') for the kernel where one runs and XLA"
+      " elsewhere",
+    )
+
+  return _compat.platform_dependent(
+    *operands,
+    cpu=functools.partial(elsewhere, "'cpu'"),
+    default=functools.partial(elsewhere, "a platform without Pallas kernels"),
+    **branches,
+  )
 
 
 def device_reason(interpret: bool | str = False) -> str | None:
@@ -185,13 +250,14 @@ def why_unavailable(
   check_implementation(implementation)
   if implementation == "xla":
     return None
+  del interpret  # any: the kernel follows the platform the step is lowered for
   if not pallas_gpu.is_contiguous(layout):
     return (
       "the Pallas kernel needs contiguous mask blocks (granularity 'tensor', 'row'"
       f" or 'element'), but this leaf's blocks reduce axes {layout.reduce_axes}"
       f" of {layout.expanded_shape}"
     )
-  return device_reason(interpret)
+  return None
 
 
 def first_available(
@@ -221,6 +287,20 @@ def first_available(
   raise ValueError(
     f"implementation={implementation!r} cannot run here: " + "; ".join(reasons) + "."
   )
+
+
+def off_device(implementation: str | Sequence[str] | None) -> str | None:
+  """What runs instead of the Pallas kernel where none can (a step lowered for a
+  CPU): ``"xla"`` where the request names it after ``"pallas"``, else ``None``
+  (lowering there raises ``ValueError``)."""
+  if implementation is None:
+    order = DEFAULT_IMPLEMENTATIONS
+  elif isinstance(implementation, str):
+    order = (implementation,)
+  else:
+    order = tuple(implementation)
+  rest = order[order.index("pallas") + 1 :] if "pallas" in order else ()
+  return "xla" if "xla" in rest else None
 
 
 def resolve_implementation(
@@ -346,10 +426,11 @@ def sums_where_lost(pending: PendingAdam, b1: float) -> tuple[jax.Array, ...]:
   """``pending.sums`` with the blocks whose ``||m_t||^2`` is NaN summed directly.
 
   Derived and carried sums mark a block NaN where their recursion cancelled or was
-  lost to an overflow (:func:`carried_sums`); one branch, taken only on steps with
-  such a block, sums ``m_t`` and ``g`` there directly (plain float32 sums: inf
-  where those overflow). ``adam_magma`` settles the whole tree at once instead
-  (``_alignment.settle_sums``, which also rescales overflowing blocks).
+  lost to an overflow (:func:`carried_sums`); ``m_t`` and ``g`` are summed there
+  directly (plain float32 sums: inf where those overflow): on XLA:CPU in one
+  branch, taken only on steps with such a block, elsewhere on every step.
+  ``adam_magma`` settles the whole tree at once instead (``_alignment.settle_sums``,
+  which also rescales overflowing blocks).
   """
   p = pending
   if p.sums is None:
@@ -369,7 +450,12 @@ def sums_where_lost(pending: PendingAdam, b1: float) -> tuple[jax.Array, ...]:
     exact = reference.partial_sums(p.layout, m, grad, param_mask)
     return tuple(jnp.where(lost, e, s) for e, s in zip(exact, sums, strict=True))
 
-  return _compat.cond(jnp.any(lost), direct, lambda *ops: ops[-1], *operands)
+  def on_cpu(*operands):  # the direct sums only on steps that lost some
+    return _compat.cond(jnp.any(lost), direct, lambda *ops: ops[-1], *operands)
+
+  # Elsewhere every step sums directly, branch-free: a GPU or a TPU would wait on
+  # the host for the branch's predicate.
+  return _compat.platform_dependent(*operands, cpu=on_cpu, default=direct)
 
 
 class PendingAdam(NamedTuple):
@@ -390,6 +476,8 @@ class PendingAdam(NamedTuple):
     moments: the XLA path's new ``(m_t, v_t)`` in f32 when ``sums`` are given
       (their update is computed from them), else ``None``.
     interpret, block_sizes: for the Pallas kernel.
+    off_device: for ``"pallas"``, what runs where no kernel can (a step lowered
+      for a CPU): ``"xla"``, or ``None`` (lowering there raises): :func:`off_device`.
   """
 
   implementation: str
@@ -405,6 +493,7 @@ class PendingAdam(NamedTuple):
   moments: tuple[jax.Array, jax.Array] | None
   interpret: bool | str
   block_sizes: config_lib.BlockSizes | None
+  off_device: str | None = None
 
 
 def start_masked_adam(
@@ -490,7 +579,7 @@ def start_masked_adam(
     sums = derived_sums(layout, mu, grad, b1, param_mask)
   return PendingAdam(
     impl, grad, mu, nu, params, param_mask, hyper, constants, layout, sums, moments,
-    interpret, block_sizes,
+    interpret, block_sizes, off_device(implementation),
   )  # fmt: skip
 
 
@@ -523,11 +612,24 @@ def finish_masked_adam(
       p.grad, p.mu, p.nu, p.hyper, p.constants, scale=scale, layout=p.layout,
       param_mask=p.param_mask, params=p.params,
     )  # fmt: skip
-  out = partitioned.masked_adam_pallas_partitioned(
-    p.grad, p.mu, p.nu, p.hyper, p.constants, scale=scale, layout=p.layout,
-    param_mask=p.param_mask, params=p.params, block_sizes=p.block_sizes,
-    interpret=bool(p.interpret), backend=pallas_backend(p.interpret),
-  )  # fmt: skip
+
+  def step(backend, grad, mu, nu, hyper, scale, param_mask, params):
+    if backend is None:  # no kernel for this platform: the XLA step
+      return reference.masked_adam_reference(
+        grad, mu, nu, hyper, p.constants, scale=scale, layout=p.layout,
+        param_mask=param_mask, params=params,
+      )  # fmt: skip
+    return partitioned.masked_adam_pallas_partitioned(
+      grad, mu, nu, hyper, p.constants, scale=scale, layout=p.layout,
+      param_mask=param_mask, params=params, block_sizes=p.block_sizes,
+      interpret=bool(p.interpret), backend=backend,
+    )  # fmt: skip
+
+  operands = (p.grad, p.mu, p.nu, p.hyper, scale, p.param_mask, p.params)
+  if p.interpret:
+    out = step(pallas_backend(p.interpret), *operands)
+  else:
+    out = by_platform(step, p.off_device, *operands)
   if p.sums is None:
     return out
   # Every path returns the sums that a scale was computed from (here: derived
