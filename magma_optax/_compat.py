@@ -449,9 +449,9 @@ def platform_dependent(*operands: Any, default: Any, **per_platform: Any) -> Any
 @functools.cache
 def _unavailable_p() -> Any:
   """The primitive of :func:`unavailable`: the identity for every transformation,
-  but its lowering and its eager evaluation raise ``ValueError(message)``. Linear (its tangents and
-  cotangents go through it too, so no derivative skips the error) and batched as
-  the identity."""
+  but its lowering and its eager evaluation raise ``ValueError(message)``. Linear
+  (its tangents and cotangents go through it too, so no derivative skips the
+  error) and batched as the identity."""
   from jax.interpreters import ad
   from jax.interpreters import batching
   from jax.interpreters import mlir
