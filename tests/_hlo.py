@@ -103,7 +103,7 @@ def data_dependent_control_flow(text: str) -> dict[str, int]:
     if opens_while:
       inits = re.findall(rf"({_SSA}) = ({_SSA})", rhs)
       data.update(a for a, _ in inits)  # carries are data inside the loop
-      info = {"inits": dict(inits), "known": _known_trip_count(lines, n)}
+      info = {"inits": dict(inits), "known": _known_trip_count(lines, n, data)}
       stack.append([names, depth, reads, info])
       depth += _depth_change(line)
       continue
@@ -131,62 +131,70 @@ def data_dependent_control_flow(text: str) -> dict[str, int]:
   return counts
 
 
-def _known_trip_count(lines: list[str], start: int) -> bool:
+def _known_trip_count(lines: list[str], start: int, data: set[str]) -> bool:
   """Whether the ``while`` opened at ``lines[start]`` is a counted loop: its
-  ``cond`` is ``compare(counter, constant)``, the counter starts at a constant
-  and its body adds a constant to it."""
-  header = lines[start]
-  inits = dict(re.findall(rf"({_SSA}) = ({_SSA})", header))
+  ``cond`` compares a counter with a constant, the counter starts at a value that
+  is no data (``data``: the values computed from data so far) and its body adds
+  a constant to it. (A constant may come through ops of constants alone, such as
+  sharding constraints.)"""
+  inits = dict(re.findall(rf"({_SSA}) = ({_SSA})", lines[start]))
   order = list(inits)
-  consts = {
-    re.match(rf"\s*({_SSA}) = ", ln).group(1)
-    for ln in lines[:start]
-    if re.match(rf"\s*{_SSA} = stablehlo\.constant ", ln)
-  }
-  cond = []
-  body_ret = None
-  i = start + 1
-  assert lines[i].strip() == "cond {", lines[i]
-  i += 1
-  while lines[i].strip() != "} do {":
-    cond.append(lines[i])
+
+  def region(i):
+    """The lines of the region that opens after ``lines[i]``, and its end."""
+    body, depth = [], 1
     i += 1
-  local_consts = {
-    re.match(rf"\s*({_SSA}) = ", ln).group(1)
-    for ln in cond
-    if re.match(rf"\s*{_SSA} = stablehlo\.constant ", ln)
+    while True:
+      depth += _depth_change(lines[i])
+      if depth == 0 or lines[i].strip() == "} do {":
+        return body, i
+      body.append(lines[i])
+      i += 1
+
+  def constants(body):
+    """The values of ``body`` computed from constants alone."""
+    found = set()
+    for ln in body:
+      m = re.match(rf"\s*({_SSA}) = (.*)", ln)
+      if m and all(u in found for u in _uses(m.group(2))):
+        found.add(m.group(1))
+    return found
+
+  def aliases(body):
+    """Per value of ``body`` that only constrains another's sharding, that one."""
+    found = {}
+    for ln in body:
+      m = re.match(rf"\s*({_SSA}) = sdy\.sharding_constraint ({_SSA})", ln)
+      if m:
+        found[m.group(1)] = found.get(m.group(2), m.group(2))
+    return found
+
+  assert lines[start + 1].strip() == "cond {", lines[start + 1]
+  cond, end = region(start + 1)
+  known = constants(cond)
+  alias = aliases(cond)
+  defs = {
+    m.group(1): m.group(2)
+    for m in (re.match(rf"\s*({_SSA}) = (.*)", ln) for ln in cond)
+    if m
   }
   ret = re.match(rf"\s*stablehlo\.return ({_SSA})", cond[-1])
-  compares = {
-    re.match(rf"\s*({_SSA}) = ", ln).group(1): _uses(ln.split("=", 1)[1])[:2]
-    for ln in cond
-    if "stablehlo.compare" in ln
-  }
-  if ret is None or ret.group(1) not in compares:
+  compare = defs.get(ret.group(1), "") if ret else ""
+  if not compare.startswith("stablehlo.compare"):
     return False
-  x, y = compares[ret.group(1)]
-  counter = x if y in local_consts else y if x in local_consts else None
-  if counter not in inits or inits[counter] not in consts:
+  x, y = (alias.get(u, u) for u in _uses(compare)[:2])
+  counter = x if y in known else y if x in known else None
+  if counter not in inits or inits[counter] in data:
     return False
-  body, depth = [], 1
-  i += 1
-  while True:
-    depth += _depth_change(lines[i])
-    if depth == 0:
-      break
-    body.append(lines[i])
-    i += 1
-  body_consts = {
-    re.match(rf"\s*({_SSA}) = ", ln).group(1)
-    for ln in body
-    if re.match(rf"\s*{_SSA} = stablehlo\.constant ", ln)
-  }
-  body_ret = _uses(body[-1].split("stablehlo.return", 1)[1])
-  nxt = body_ret[order.index(counter)]
+  body, _ = region(end)
+  known, alias = constants(body), aliases(body)
+  step = _uses(body[-1].split("stablehlo.return", 1)[1])[order.index(counter)]
+  step = alias.get(step, step)
   for ln in body:
-    if re.match(rf"\s*{re.escape(nxt)} = stablehlo\.add ", ln):
-      a, b = _uses(ln.split("=", 1)[1])[:2]
-      return {a, b} & {counter} != set() and (a in body_consts or b in body_consts)
+    m = re.match(rf"\s*{re.escape(step)} = stablehlo\.add (.*)", ln)
+    if m:
+      a, b = (alias.get(u, u) for u in _uses(m.group(1))[:2])
+      return counter in (a, b) and (a in known or b in known)
   return False
 
 
