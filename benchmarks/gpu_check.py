@@ -115,7 +115,7 @@ def _run_kernel(backend, gmv, kw, interpret=False):
   def fn(g, m, v):
     hyper = reference.hyperparams(count, lr, wd, constants)
     return partitioned.masked_adam_pallas_partitioned(
-      g, m, v, hyper, constants, interpret=interpret, backend=backend, **kw
+      g, m, v, hyper, interpret=interpret, backend=backend, **kw
     )
 
   return jax.jit(fn)(*gmv)
@@ -215,7 +215,7 @@ def kernel_bandwidth(
   def fused(g, m, v, p):
     hyper = reference.hyperparams(3, 1e-3, 0.1, constants)
     out = partitioned.masked_adam_pallas_partitioned(
-      g, m, v, hyper, constants, params=p, scale=jnp.asarray(0.5),
+      g, m, v, hyper, params=p, scale=jnp.asarray(0.5),
       interpret=interpret, backend=backend,
     )  # fmt: skip
     return out.mu, out.nu, out.update
@@ -270,8 +270,7 @@ def _tile_inputs(shape, block, density, g_dtype, m_dtype, empty=0, seed=0):
 def check_tiles(cases, blocks, backends, interpret=False) -> bool:
   """``pallas_tiles.tile_adam_pallas`` vs :func:`tile_adam_xla`, density 0.3 and 3
   empty slots; a failure to compile is reported as a FAIL, not raised."""
-  constants = reference.AdamConstants()
-  hyper = reference.hyperparams(5, 1e-3, 0.0, constants)
+  hyper = reference.hyperparams(5, 1e-3, 0.0, reference.AdamConstants())
   ok = True
   for backend in backends:
     for (shape, g_dtype, m_dtype), block in itertools.product(cases, blocks):
@@ -282,7 +281,6 @@ def check_tiles(cases, blocks, backends, interpret=False) -> bool:
           functools.partial(
             pallas_tiles.tile_adam_pallas,
             hyper=hyper,
-            constants=constants,
             backend=backend,
             interpret=interpret,
           )  # fmt: skip
@@ -291,7 +289,7 @@ def check_tiles(cases, blocks, backends, interpret=False) -> bool:
         print(f"{what}: {type(e).__name__}: {str(e).splitlines()[0][:200]} FAIL")
         ok = False
         continue
-      want = tile_adam_xla(*args, hyper, constants)
+      want = tile_adam_xla(*args, hyper)
       errs = []
       for a, b in zip(got, want, strict=True):
         b32 = np.asarray(b, np.float32)
@@ -310,15 +308,14 @@ def check_tiles(cases, blocks, backends, interpret=False) -> bool:
 def tile_bandwidth(shape, block, densities, rounds, backend, interpret=False) -> None:
   """The tile kernel alone vs the XLA reference (donated moments), per density;
   bytes = K r c (read g, read and write m and v, write the update)."""
-  constants = reference.AdamConstants()
-  hyper = reference.hyperparams(5, 1e-3, 0.0, constants)
+  hyper = reference.hyperparams(5, 1e-3, 0.0, reference.AdamConstants())
   kernel = functools.partial(
     pallas_tiles.tile_adam_pallas, backend=backend, interpret=interpret
   )
   donated = functools.partial(jax.jit, donate_argnums=(1, 2))
   runs = {
-    "kernel": donated(lambda g, m, v, i: kernel(g, m, v, i, hyper, constants)),
-    "xla": donated(lambda g, m, v, i: tile_adam_xla(g, m, v, i, hyper, constants)),
+    "kernel": donated(lambda g, m, v, i: kernel(g, m, v, i, hyper)),
+    "xla": donated(lambda g, m, v, i: tile_adam_xla(g, m, v, i, hyper)),
   }
   for density in densities:
     g4, mu, nu, idx = _tile_inputs(shape, block, density, jnp.float32, jnp.float32)

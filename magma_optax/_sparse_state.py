@@ -1868,7 +1868,7 @@ def sparse_adam(
         g = s.gather(c, g)
         frozen = isinstance(s, _Skip) and not _trees.is_masked(mask)
         # With a mask, reference.moments keeps the frozen entries (merged first).
-        m32, v32 = reference.moments(g, m, v, constants, mask if frozen else None)
+        m32, v32 = reference.moments(g, m, v, hyper, mask if frozen else None)
         if frozen:
           # The update computed from the merged moments as stored (the barrier):
           # XLA then writes them in place and the update's loop reads them,
@@ -1878,8 +1878,8 @@ def sparse_adam(
             (m32.astype(m.dtype), v32.astype(v.dtype))
           )
         u = reference.update(
-          m32.astype(jnp.float32), v32.astype(jnp.float32), hyper, constants,
-          layout=None, dtype=g.dtype,
+          m32.astype(jnp.float32), v32.astype(jnp.float32), hyper, layout=None,
+          dtype=g.dtype,
         )  # fmt: skip
         out = tiles.TileAdamOutput(m32.astype(m.dtype), v32.astype(v.dtype), u)
       new_mu.append(out.mu)

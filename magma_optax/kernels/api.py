@@ -330,10 +330,10 @@ def masked_adam(
   *,
   count: Any,
   learning_rate: Any,
-  b1: float = 0.9,
-  b2: float = 0.999,
-  eps: float = 1e-8,
-  eps_root: float = 0.0,
+  b1: Any = 0.9,
+  b2: Any = 0.999,
+  eps: Any = 1e-8,
+  eps_root: Any = 0.0,
   weight_decay: Any = 0.0,
   params: jax.Array | None = None,
   param_mask: jax.Array | None = None,
@@ -362,7 +362,9 @@ def masked_adam(
     nu: Adam's second moment v.
     count: the step t >= 1 for bias correction (the incremented count).
     learning_rate: scalar (traced values are fine).
-    b1, b2, eps, eps_root: Adam's constants (static Python floats).
+    b1, b2, eps, eps_root: Adam's decay rates and epsilons, scalars (traced
+      values are fine: every implementation reads them at run time; ``1 - b``
+      is computed as ``optax`` does, see :func:`reference.decay`).
     weight_decay: decoupled weight decay (AdamW); needs ``params`` when nonzero.
     params: the parameters (only read for weight decay).
     param_mask: optional bool array, ``grad``'s shape; False entries do not exist.
@@ -416,13 +418,14 @@ def masked_adam(
   return finish_masked_adam(pending, scale)
 
 
-def next_moment(b1: float, mu: jax.Array, grad: jax.Array) -> jax.Array:
+def next_moment(b1: Any, mu: jax.Array, grad: jax.Array) -> jax.Array:
   """``m_t = (1 - b1) g + b1 m_{t-1}`` in ``mu``'s dtype, as the step stores it."""
-  m = (1 - b1) * grad.astype(jnp.float32) + b1 * mu.astype(jnp.float32)
+  b1, c = reference.decay(b1)
+  m = c * grad.astype(jnp.float32) + b1 * mu.astype(jnp.float32)
   return m.astype(mu.dtype)
 
 
-def sums_where_lost(pending: PendingAdam, b1: float) -> tuple[jax.Array, ...]:
+def sums_where_lost(pending: PendingAdam, b1: Any) -> tuple[jax.Array, ...]:
   """``pending.sums`` with the blocks whose ``||m_t||^2`` is NaN summed directly.
 
   Derived and carried sums mark a block NaN where their recursion cancelled or was
@@ -469,8 +472,8 @@ class PendingAdam(NamedTuple):
     implementation: the implementation that runs (``"xla"`` or ``"pallas"``).
     grad, mu, nu, params, param_mask: the step's inputs (``mu`` may be replaced
       with ``_replace`` by the same values, e.g. passed through a loop).
-    hyper: f32[4] from :func:`reference.hyperparams`.
-    constants: :class:`reference.AdamConstants`.
+    hyper: f32[NUM_HYPERPARAMS] from :func:`reference.hyperparams` (every
+      scalar of the step).
     layout: the leaf's block layout.
     sums: this step's per-block ``(<m_t, g>, ||m_t||^2, ||g||^2)``, or ``None``.
     moments: the XLA path's new ``(m_t, v_t)`` in f32 when ``sums`` are given
@@ -487,7 +490,6 @@ class PendingAdam(NamedTuple):
   params: jax.Array | None
   param_mask: jax.Array | None
   hyper: jax.Array
-  constants: reference.AdamConstants
   layout: _blocks.BlockLayout
   sums: tuple[jax.Array, jax.Array, jax.Array] | None
   moments: tuple[jax.Array, jax.Array] | None
@@ -503,10 +505,10 @@ def start_masked_adam(
   *,
   count: Any,
   learning_rate: Any,
-  b1: float = 0.9,
-  b2: float = 0.999,
-  eps: float = 1e-8,
-  eps_root: float = 0.0,
+  b1: Any = 0.9,
+  b2: Any = 0.999,
+  eps: Any = 1e-8,
+  eps_root: Any = 0.0,
   weight_decay: Any = 0.0,
   params: jax.Array | None = None,
   param_mask: jax.Array | None = None,
@@ -557,11 +559,11 @@ def start_masked_adam(
     raise ValueError(f"layout is for shape {layout.shape}, grad has {grad.shape}.")
   interpret = check_interpret(interpret)
   impl = resolve_implementation(implementation, layout=layout, interpret=interpret)
-  constants = reference.AdamConstants(float(b1), float(b2), float(eps), float(eps_root))
+  constants = reference.AdamConstants(b1, b2, eps, eps_root)
   hyper = reference.hyperparams(count, learning_rate, weight_decay, constants)
   sums = moments = None
   if with_sums and impl == "xla":
-    moments = reference.moments(grad, mu, nu, constants, param_mask)
+    moments = reference.moments(grad, mu, nu, hyper, param_mask)
     out_m = moments[0].astype(mu.dtype)
     # Keeps ||g||^2 from sharing (and materialising) Adam's g * g; see above.
     g = jax.lax.optimization_barrier(grad)
@@ -578,8 +580,8 @@ def start_masked_adam(
   elif with_sums:
     sums = derived_sums(layout, mu, grad, b1, param_mask)
   return PendingAdam(
-    impl, grad, mu, nu, params, param_mask, hyper, constants, layout, sums, moments,
-    interpret, block_sizes, off_device(implementation),
+    impl, grad, mu, nu, params, param_mask, hyper, layout, sums, moments, interpret,
+    block_sizes, off_device(implementation),
   )  # fmt: skip
 
 
@@ -601,7 +603,7 @@ def finish_masked_adam(
   if p.implementation == "xla" and p.moments is not None:
     new_m, new_v = p.moments
     u = reference.update(
-      new_m, new_v, p.hyper, p.constants, layout=p.layout, scale=scale,
+      new_m, new_v, p.hyper, layout=p.layout, scale=scale,
       params=p.params, param_mask=p.param_mask, dtype=p.grad.dtype,
     )  # fmt: skip
     return reference.MaskedAdamOutput(
@@ -609,20 +611,20 @@ def finish_masked_adam(
     )
   if p.implementation == "xla":
     return reference.masked_adam_reference(
-      p.grad, p.mu, p.nu, p.hyper, p.constants, scale=scale, layout=p.layout,
+      p.grad, p.mu, p.nu, p.hyper, scale=scale, layout=p.layout,
       param_mask=p.param_mask, params=p.params,
     )  # fmt: skip
 
   def step(backend, grad, mu, nu, hyper, scale, param_mask, params):
     if backend is None:  # no kernel for this platform: the XLA step
       return reference.masked_adam_reference(
-        grad, mu, nu, hyper, p.constants, scale=scale, layout=p.layout,
-        param_mask=param_mask, params=params,
+        grad, mu, nu, hyper, scale=scale, layout=p.layout, param_mask=param_mask,
+        params=params,
       )  # fmt: skip
     return partitioned.masked_adam_pallas_partitioned(
-      grad, mu, nu, hyper, p.constants, scale=scale, layout=p.layout,
-      param_mask=param_mask, params=params, block_sizes=p.block_sizes,
-      interpret=bool(p.interpret), backend=backend,
+      grad, mu, nu, hyper, scale=scale, layout=p.layout, param_mask=param_mask,
+      params=params, block_sizes=p.block_sizes, interpret=bool(p.interpret),
+      backend=backend,
     )  # fmt: skip
 
   operands = (p.grad, p.mu, p.nu, p.hyper, scale, p.param_mask, p.params)
@@ -644,7 +646,7 @@ def carried_sums(
   mu: jax.Array,
   grad: jax.Array,
   mu_sq_norm_prev: jax.Array,
-  b1: float,
+  b1: Any,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """``(<m_t, g>, ||m_t||^2, ||g||^2)`` reading m_t and g once: two reductions.
 
@@ -660,7 +662,7 @@ def carried_sums(
   g = grad.astype(jnp.float32)
   dot = layout.block_sum(m * g)
   gg = layout.block_sum(g * g)
-  c = 1.0 - b1
+  b1, c = reference.decay(b1)
   prev = b1 * b1 * jnp.asarray(mu_sq_norm_prev, jnp.float32)
   mm = prev + 2.0 * c * dot - c * c * gg
   return dot, trusted(mm, prev + 2.0 * c * jnp.abs(dot) + c * c * gg), gg
@@ -681,7 +683,7 @@ def derived_sums(
   layout: _blocks.BlockLayout,
   mu_prev: jax.Array,
   grad: jax.Array,
-  b1: float,
+  b1: Any,
   param_mask: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """This step's ``(<m_t, g>, ||m_t||^2, ||g||^2)`` from m_{t-1} and g (no m_t).
@@ -694,7 +696,7 @@ def derived_sums(
   float32 roundings.
   """
   dot, mm, gg = reference.partial_sums(layout, mu_prev, grad, param_mask)
-  c = 1.0 - b1
+  b1, c = reference.decay(b1)
   new_dot = b1 * dot + c * gg
   new_mm = b1 * b1 * mm + 2.0 * b1 * c * dot + c * c * gg
   terms = b1 * b1 * mm + 2.0 * b1 * c * jnp.abs(dot) + c * c * gg

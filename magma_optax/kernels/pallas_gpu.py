@@ -52,7 +52,7 @@ def check_contiguous(layout: _blocks.BlockLayout) -> None:
     )
 
 
-def _kernel(*refs, constants, has_mask, has_params):
+def _kernel(*refs, has_mask, has_params):
   """One (block_rows, block_cols) tile; see the module docstring."""
   it = iter(refs)
   hyper_ref, scale_ref, g_ref, m_ref, v_ref = (next(it) for _ in range(5))
@@ -62,9 +62,7 @@ def _kernel(*refs, constants, has_mask, has_params):
   g = g_ref[...].astype(jnp.float32)
   keep = mask_ref[...] != 0 if has_mask else None
   p = p_ref[...] if has_params else None
-  new_m, new_v, u = reference.tile_adam(
-    g, m_ref[...], v_ref[...], keep, p, hyper_ref, constants
-  )
+  new_m, new_v, u = reference.tile_adam(g, m_ref[...], v_ref[...], keep, p, hyper_ref)
   u = u * scale_ref[...][:, None]
   out_m = new_m.astype(m_out.dtype)
   # The sums see the stored moment, as a cosine computed after the step would.
@@ -110,7 +108,6 @@ def masked_adam_pallas(
   mu: jax.Array,
   nu: jax.Array,
   hyper: jax.Array,
-  constants: reference.AdamConstants,
   *,
   scale: jax.Array | None = None,
   layout: _blocks.BlockLayout | None = None,
@@ -137,7 +134,7 @@ def masked_adam_pallas(
   bs = layout.block_size
   if math.prod(shape) == 0:
     return reference.masked_adam_reference(
-      grad, mu, nu, hyper, constants, scale=scale, layout=layout,
+      grad, mu, nu, hyper, scale=scale, layout=layout,
       param_mask=param_mask, params=params,
     )  # fmt: skip
   sizes = block_sizes or config_lib.BlockSizes.get_default(bs, nb)
@@ -177,7 +174,6 @@ def masked_adam_pallas(
     compiler_params = _compat.triton_compiler_params(sizes.num_warps or 4)
   kernel = functools.partial(
     _kernel,
-    constants=constants,
     has_mask=param_mask is not None,
     has_params=params is not None,
   )

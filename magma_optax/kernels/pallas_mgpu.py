@@ -17,7 +17,7 @@ from jax 0.12. So ``implementation="pallas"`` on a GPU selects (:mod:`api`):
 The kernel is the simplest correct one: the leaf in the row layout of
 :mod:`pallas_gpu` (each mask block padded to whole rows of ``block_cols``, rows
 padded to whole tiles of ``block_rows``), a 1-D grid, and per tile explicit TMA
-copies of g, m, v (mask, params) and of the four hyperparameters from GMEM to SMEM,
+copies of g, m, v (mask, params) and of the hyperparameters from GMEM to SMEM,
 the step in registers, m', v' and the update written over the SMEM copies of m, v
 and g, and copies back to GMEM (m and v are aliased to m' and v'). The three per-row
 f32 sums are written per row and summed per block after the kernel (a tiny XLA
@@ -54,9 +54,7 @@ from magma_optax.kernels import pallas_gpu
 from magma_optax.kernels import reference
 
 
-def _kernel(
-  *refs, constants, has_mask, has_params, rows, cols, num_tiles, num_programs
-):
+def _kernel(*refs, has_mask, has_params, rows, cols, num_tiles, num_programs):
   """Program i updates tiles i, i + P, i + 2P, ... (P = ``num_programs``): each
   tile of (rows, cols) is copied in, updated and copied out."""
   pl = _compat.pallas()
@@ -92,9 +90,7 @@ def _kernel(
     g = g_s[...].astype(jnp.float32)
     keep = mask_s[...].astype(jnp.int32) != 0 if has_mask else None
     p = p_s[...] if has_params else None
-    new_m, new_v, u = reference.tile_adam(
-      g, m_s[...], v_s[...], keep, p, hyper_s, constants
-    )
+    new_m, new_v, u = reference.tile_adam(g, m_s[...], v_s[...], keep, p, hyper_s)
     u = u * scale_s[...][:, None]
     out_m = new_m.astype(m_s.dtype)
     sm = out_m.astype(jnp.float32)  # the sums see the stored moment
@@ -132,7 +128,6 @@ def masked_adam_pallas_mgpu(
   mu: jax.Array,
   nu: jax.Array,
   hyper: jax.Array,
-  constants: reference.AdamConstants,
   *,
   scale: jax.Array | None = None,
   layout: _blocks.BlockLayout | None = None,
@@ -161,7 +156,7 @@ def masked_adam_pallas_mgpu(
   nb, bs = layout.num_blocks, layout.block_size
   if math.prod(shape) == 0:
     return reference.masked_adam_reference(
-      grad, mu, nu, hyper, constants, scale=scale, layout=layout,
+      grad, mu, nu, hyper, scale=scale, layout=layout,
       param_mask=param_mask, params=params,
     )  # fmt: skip
   if block_sizes is None:
@@ -209,7 +204,6 @@ def masked_adam_pallas_mgpu(
   )
   kernel = functools.partial(
     _kernel,
-    constants=constants,
     has_mask=param_mask is not None,
     has_params=params is not None,
     rows=rows,

@@ -156,7 +156,6 @@ def _specs(
 
 @functools.cache
 def _kernel_fns(
-  constants: reference.AdamConstants,
   layout: _blocks.BlockLayout,
   block_sizes: config_lib.BlockSizes | None,
   interpret: bool,
@@ -172,7 +171,7 @@ def _kernel_fns(
     params = next(it) if has_params else None
     return tuple(
       kernel_for(backend)(
-        g, m, v, hyper, constants, scale=scale, layout=layout_,
+        g, m, v, hyper, scale=scale, layout=layout_,
         param_mask=mask, params=params, block_sizes=block_sizes,
         interpret=interpret,
       )
@@ -287,7 +286,6 @@ def masked_adam_pallas_partitioned(
   mu: jax.Array,
   nu: jax.Array,
   hyper: jax.Array,
-  constants: reference.AdamConstants,
   *,
   scale: jax.Array | None = None,
   layout: _blocks.BlockLayout | None = None,
@@ -314,7 +312,7 @@ def masked_adam_pallas_partitioned(
   scale = jnp.asarray(scale, jnp.float32).reshape(layout.block_shape)
   kernel_for(backend)  # a bad name fails here, not inside the partitioner
   per_shard, kernel, unpartitioned = _kernel_fns(
-    constants, layout, block_sizes, bool(interpret), param_mask is not None,
+    layout, block_sizes, bool(interpret), param_mask is not None,
     params is not None, backend,
   )  # fmt: skip
   args = [hyper.astype(jnp.float32), scale, grad, mu, nu]

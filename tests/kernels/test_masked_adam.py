@@ -16,6 +16,7 @@ from magma_optax import kernels
 from magma_optax.kernels import api
 from magma_optax.kernels import pallas_gpu
 from magma_optax.kernels import partitioned
+from magma_optax.kernels import reference
 
 B1, B2, EPS = 0.9, 0.999, 1e-8
 
@@ -302,8 +303,8 @@ def test_default_and_sequence_fall_back_to_xla():
     kernels.resolve_implementation((), layout=layout)
   with pytest.raises(ValueError, match="contiguous"):
     pallas_gpu.masked_adam_pallas(
-      jnp.ones((4, 4)), jnp.ones((4, 4)), jnp.ones((4, 4)), jnp.ones(4),
-      kernels.AdamConstants(), layout=col, interpret=True,
+      jnp.ones((4, 4)), jnp.ones((4, 4)), jnp.ones((4, 4)), jnp.ones(16),
+      layout=col, interpret=True,
     )  # fmt: skip
 
 
@@ -353,13 +354,14 @@ def test_pallas_kernel_lowers_to_triton_without_a_gpu(masked, entry):
 
   def fused(g, m, v, p, pm, scale, hyper):
     return entry(
-      g, m, v, hyper, kernels.AdamConstants(), scale=scale, layout=layout,
+      g, m, v, hyper, scale=scale, layout=layout,
       param_mask=pm if masked else None, params=None if masked else p,
     )  # fmt: skip
 
   spec = jax.ShapeDtypeStruct
   args = [spec(shape, dtype)] * 4 + [
-    spec(shape, jnp.bool_), spec((100,), jnp.float32), spec((4,), jnp.float32),
+    spec(shape, jnp.bool_), spec((100,), jnp.float32),
+    spec((reference.NUM_HYPERPARAMS,), jnp.float32),
   ]  # fmt: skip
   triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
   with warnings.catch_warnings(record=True) as caught, _hlo.abstract_gpu():

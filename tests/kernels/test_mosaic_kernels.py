@@ -283,7 +283,7 @@ def test_mosaic_gpu_tiles_fit_bulk_copies():
   g = jnp.ones((4, 8))
   with pytest.raises(ValueError, match="multiple of 4"):
     pallas_mgpu.masked_adam_pallas_mgpu(
-      g, g, g, jnp.ones(4), kernels.AdamConstants(), interpret=True,
+      g, g, g, jnp.ones(16), interpret=True,
       block_sizes=kernels.BlockSizes(2, 8),
     )  # fmt: skip
 
