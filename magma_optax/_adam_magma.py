@@ -312,15 +312,21 @@ def adam_magma(
     # lost to one or to cancellation) recomputed exactly, in one branch for the
     # whole tree ...
     pending, sums, norms = _settle(pending, b1)
-    # ... then the scores, and the second half: the scaled updates.
-    out, new_mu, new_nu, new_scores, new_norms = [], [], [], [], []
+    # ... then the scores, and the second half: the scaled updates (Pallas leaves
+    # in as few kernel calls as they can share).
+    scores, scales = [], []
     for i, plan in enumerate(plans):
       scale = score = None
       if plan.layout is not None:
         cos = _alignment.cosine_from_sums(*sums[i])
         score = rule.score(old_scores[i], cos, count)
         scale = score * masks[i]
-      res = kernels.finish_masked_adam(pending[i], scale)
+      scores.append(score)
+      scales.append(scale)
+    results = kernels.finish_masked_adam_many(pending, scales)
+    out, new_mu, new_nu, new_scores, new_norms = [], [], [], [], []
+    for i, plan in enumerate(plans):
+      res, score = results[i], scores[i]
       if plan.layout is None:
         new_norms.append(optax.MaskedNode())
         new_scores.append(optax.MaskedNode())

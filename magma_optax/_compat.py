@@ -134,6 +134,14 @@ def pallas_mosaic_gpu():
   return plgpu
 
 
+@functools.cache
+def pallas_triton():
+  """``jax.experimental.pallas.triton`` (Triton's masked loads and stores)."""
+  from jax.experimental.pallas import triton as plt
+
+  return plt
+
+
 def triton_compiler_params(num_warps: int) -> Any:
   """Compiler params of the Pallas Triton backend (needs a GPU-enabled jaxlib)."""
   from jax.experimental.pallas import triton as plgpu

@@ -66,6 +66,7 @@ where its right-hand side cancels, the block is NaN and summed directly, as abov
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -183,7 +184,9 @@ KERNEL_PLATFORMS = ("cuda", "rocm", "tpu")
 def by_platform(kernel: Callable[..., Any], off_device: Any, *operands: Any) -> Any:
   """``kernel(backend, *operands)`` with the backend of the platform the step is
   lowered for (:func:`pallas_backend`), chosen at lowering time: a Pallas step
-  traced on any machine lowers for a GPU or a TPU.
+  traced on any machine lowers for a GPU or a TPU. Every platform's branch is
+  traced; a ``ValueError`` that one raises (tiles its kernel cannot take) is
+  raised when the step is lowered for that platform.
 
   Args:
     kernel: ``kernel(backend, *operands)``, the step with that backend's kernel.
@@ -194,9 +197,16 @@ def by_platform(kernel: Callable[..., Any], off_device: Any, *operands: Any) -> 
   """
   import functools
 
+  def on(platform, *args):
+    try:
+      return kernel(pallas_backend(platform=platform), *args)
+    except ValueError as e:  # e.g. tiles this platform's kernel cannot take
+      # Every branch is traced, whichever is lowered: the error is raised where
+      # the step is lowered for this platform, and only there.
+      return _compat.unavailable(kernel(None, *args), f"{platform}: {e}")
+
   branches = {
-    platform: functools.partial(kernel, pallas_backend(platform=platform))
-    for platform in KERNEL_PLATFORMS
+    platform: functools.partial(on, platform) for platform in KERNEL_PLATFORMS
   }
 
   def elsewhere(platform, *args):
@@ -639,6 +649,110 @@ def finish_masked_adam(
   return out._replace(
     mu_dot_grad=p.sums[0], mu_sq_norm=p.sums[1], grad_sq_norm=p.sums[2]
   )
+
+
+def finish_masked_adam_many(
+  pendings: Sequence[PendingAdam], scales: Sequence[jax.Array | None]
+) -> list[reference.MaskedAdamOutput]:
+  """:func:`finish_masked_adam` for many leaves, in few kernel launches.
+
+  The Pallas leaves share kernel calls where they can (:mod:`grouped`): lowered
+  for CUDA (where Triton is the GPU kernel) or ROCm, and in the generic
+  interpreter (``interpret=True``), one call per :data:`grouped.MAX_LEAVES`
+  leaves, whatever their shapes and dtypes. Each other leaf runs on its own, as
+  :func:`finish_masked_adam` runs it: XLA leaves, the Mosaic kernels (TPU, Mosaic
+  GPU, their interpreters), leaves with explicit ``block_sizes`` (the per-leaf
+  kernel's tiles), and steps that XLA may partition over several devices or that
+  ``jax.vmap`` batches (the per-leaf kernel has the rules for those).
+
+  Args:
+    pendings: per leaf what :func:`start_masked_adam` returned.
+    scales: per leaf its f32 per-block scale (or ``None``: 1).
+
+  Returns:
+    Per leaf a :class:`MaskedAdamOutput`, as :func:`finish_masked_adam` returns it
+    (the sums of a leaf without ``pending.sums`` are summed from its outputs).
+  """
+  from magma_optax.kernels import grouped  # noqa: PLC0415  Pallas on demand
+
+  outs: list[Any] = [None] * len(pendings)
+  groups: dict[Any, list[int]] = {}
+  for i, (p, scale) in enumerate(zip(pendings, scales, strict=True)):
+    if _groupable(p, scale):
+      groups.setdefault((bool(p.interpret), p.off_device), []).append(i)
+    else:
+      outs[i] = finish_masked_adam(p, scale)
+  for (interpret, off), members in groups.items():
+    for at in range(0, len(members), grouped.MAX_LEAVES):
+      chunk = members[at : at + grouped.MAX_LEAVES]
+      done = _finish_group(
+        [pendings[i] for i in chunk], [scales[i] for i in chunk], interpret, off
+      )
+      for i, out in zip(chunk, done, strict=True):
+        outs[i] = out
+  return outs
+
+
+def _groupable(p: PendingAdam, scale: Any) -> bool:
+  """Whether ``p`` can share a grouped Triton call (see
+  :func:`finish_masked_adam_many`)."""
+  if p.implementation != "pallas" or not isinstance(p.interpret, bool):
+    return False
+  arrays = [p.grad, p.mu, p.nu, p.param_mask, p.params, scale]
+  return (
+    p.block_sizes is None
+    and math.prod(p.grad.shape) > 0
+    and not _compat.batched(arrays)
+    and not _compat.partitionable()
+    and partitioned.explicit_mesh([x for x in arrays if x is not None]) is None
+  )
+
+
+def _finish_group(
+  pendings: list[PendingAdam], scales: list[Any], interpret: bool, off: str | None
+) -> list[reference.MaskedAdamOutput]:
+  """The grouped leaves' step: the grouped Triton kernel for CUDA and ROCm, each
+  leaf's own kernel for the others (:func:`by_platform`)."""
+  from magma_optax.kernels import grouped  # noqa: PLC0415  Pallas on demand
+
+  def step(backend, operands):
+    out = []
+    if backend == "triton":
+      leaves = [
+        grouped.Leaf(g, m, v, hyper, scale, p.layout.block_size, pm, params)
+        for p, (g, m, v, hyper, scale, pm, params) in zip(
+          pendings, operands, strict=True
+        )
+      ]
+      return grouped.masked_adam_grouped(leaves, interpret=interpret)
+    for p, (g, m, v, hyper, scale, pm, params) in zip(pendings, operands, strict=True):
+      if backend is None:  # no kernel for this platform: the XLA step
+        res = reference.masked_adam_reference(
+          g, m, v, hyper, scale=scale, layout=p.layout, param_mask=pm, params=params
+        )
+      else:
+        res = partitioned.masked_adam_pallas_partitioned(
+          g, m, v, hyper, scale=scale, layout=p.layout, param_mask=pm,
+          params=params, backend=backend,
+        )  # fmt: skip
+      out.append(tuple(res[:3]))
+    return out
+
+  operands = [
+    (p.grad, p.mu, p.nu, p.hyper, scale, p.param_mask, p.params)
+    for p, scale in zip(pendings, scales, strict=True)
+  ]
+  if interpret:
+    results = step("triton", operands)
+  else:
+    results = by_platform(step, off, operands)
+  outs = []
+  for p, (new_m, new_v, u) in zip(pendings, results, strict=True):
+    sums = p.sums
+    if sums is None:  # summed from the outputs, as the per-leaf kernels do
+      sums = reference.partial_sums(p.layout, new_m, p.grad, p.param_mask)
+    outs.append(reference.MaskedAdamOutput(new_m, new_v, u, *sums))
+  return outs
 
 
 def carried_sums(

@@ -269,6 +269,11 @@ def _first_sharded_spec(shardings) -> PartitionSpec:
   return PartitionSpec()
 
 
+def explicit_mesh(arrays):
+  """The mesh whose ``Explicit`` axes shard one of ``arrays``, else ``None``."""
+  return _explicit_mesh_and_spec(arrays)[0]
+
+
 def _explicit_mesh_and_spec(arrays):
   """(mesh, spec) if the arrays' types carry a sharding (Explicit axes), else None."""
   shardings = [getattr(jax.typeof(x), "sharding", None) for x in arrays]
