@@ -1,8 +1,9 @@
 """Adam + Magma as one fused optimizer: the same updates as ``magma(optax.adam(...))``.
 
-``adam_magma`` computes, per leaf and in one kernel call (:func:`kernels.masked_adam`),
-Adam's moments, Magma's alignment sums and the masked, scaled update, instead of
-running ``optax.adam`` and then a second pass for the cosine and the mask. Planning,
+``adam_magma`` computes Adam's moments, Magma's alignment sums and the masked, scaled
+update in one fused step (:mod:`magma_optax.kernels`; with the Pallas kernel, one
+call for up to 64 leaves), instead of running ``optax.adam`` and then a second pass
+for the cosine and the mask. Planning,
 the draws and the mask state come from the same engine and rule as the wrapper's
 (:mod:`magma_optax._engine`, ``_alignment.AlignmentRule``: one draw per (key, step,
 leaf path, block)), so for the same key and hyperparameters the updates equal
@@ -19,10 +20,11 @@ outside the optimizer, update ``mu_sq_norm`` too (a step with ``param_mask`` giv
 recomputes it; so does a step after one whose float32 ``||mu||^2`` overflowed).
 
 Each step runs in two halves (:func:`kernels.start_masked_adam`, then
-:func:`kernels.finish_masked_adam`): first every leaf's block sums, then -- only
-where a block's float32 sums are not finite, in one branch for the whole tree --
-those blocks recomputed rescaled (``_alignment.settle_sums``), then the scores and
-the scaled updates. A carried ``||m_t||^2`` that cancels (m_t nearly zero next to
+:func:`kernels.finish_masked_adam_many`): first every leaf's block sums, then the
+blocks whose float32 sums are not finite recomputed rescaled
+(``_alignment.settle_sums``: on XLA:CPU in one branch for the whole tree, taken only
+then; on a GPU or a TPU every block's sums in one branch-free pass), then the scores
+and the scaled updates. A carried ``||m_t||^2`` that cancels (m_t nearly zero next to
 ``b1 m_{t-1}`` and ``(1 - b1) g``; :func:`kernels.carried_sums`) is NaN too, and
 summed directly the same way; blocks of fewer than ``kernels.api.DIRECT_BELOW``
 (16) entries, where that is frequent, sum it directly every step. So the cosines
@@ -140,7 +142,7 @@ def adam_magma(
   interpret: bool | str = False,
   block_sizes: kernels.BlockSizes | None = None,
 ) -> optax.GradientTransformationExtraArgs:
-  r"""Adam (or AdamW) with Magma masking, fused: one kernel call per leaf.
+  r"""Adam (or AdamW) with Magma masking, fused into one step.
 
   Per block b, with gradient g_t (Algorithm 1 of the paper, dense moments)::
 
@@ -182,7 +184,9 @@ def adam_magma(
       :func:`attention_mlp_weights`, the paper's scope).
     labels: labels for per-label keep probabilities and statistics.
     implementation: kernel choice, see :func:`magma_optax.kernels.masked_adam`:
-      ``"xla"``, ``"pallas"``, a sequence, or ``None``
+      ``"xla"``, ``"pallas"`` (the kernel of the platform the step is lowered for;
+      lowered for a CPU it raises ``ValueError``), a sequence (``("pallas",
+      "xla")``: the kernel on a GPU or a TPU, XLA elsewhere), or ``None``
       (``kernels.DEFAULT_IMPLEMENTATIONS``, XLA for now).
     interpret: run the Pallas kernel on CPU in an interpreter (tests only, small
       sizes; slow). ``False`` (default) compiles for the device; ``True`` runs the

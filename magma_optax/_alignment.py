@@ -21,14 +21,17 @@ again with the large vector divided by ``2**80`` (a power of two: exact), which
 keeps every finite float32 entry's square, and a sum of up to ``2**31`` of them,
 below float32's maximum, while the entries that overflowed stay normal numbers
 (:func:`exact_sums`). The cosine is invariant to those scalings, so it is exact to
-float32 rounding for every block of finite entries. Ordinary steps pay one test of
-the small per-block sums for this: :func:`settle_sums` recomputes them, for the
-whole parameter tree at once, in one branch that runs only when some block's sums
-are not finite. Only a block holding an inf or NaN has no cosine (NaN); its score
-is kept (:func:`next_score`). At the other end nothing is rescaled: entries below
-about ``1e-19`` have squares below float32's smallest normal number, which the sums
-lose, so a block of such tiny entries gets the cosine of its larger entries alone,
-or 0 (Adam's update there is about ``lr |g| / eps``: next to nothing).
+float32 rounding for every block of finite entries. On XLA:CPU ordinary steps pay
+one test of the small per-block sums for this: :func:`settle_sums` recomputes them,
+for the whole parameter tree at once, in one branch that runs only when some
+block's sums are not finite. A GPU or a TPU would wait on the host for that
+branch's predicate: there every block's sums are taken both ways in one pass and
+picked per block (:func:`branch_free_sums`), with no branch. Only a block holding
+an inf or NaN has no cosine (NaN); its score is kept (:func:`next_score`). At the
+other end nothing is rescaled: entries below about ``1e-19`` have squares below
+float32's smallest normal number, which the sums lose, so a block of such tiny
+entries gets the cosine of its larger entries alone, or 0 (Adam's update there is
+about ``lr |g| / eps``: next to nothing).
 """
 
 from __future__ import annotations
@@ -313,11 +316,14 @@ def settle_sums(
     unscaled ``||a||^2`` (summed directly in that case: a carry to keep); and
     ``operand`` (use it from here on).
 
-  One branch for the whole tree: ordinary steps pay one test of the small
-  per-block sums, never a branch per leaf (a GPU waits on the host for a
-  branch's predicate). Reverse mode works through it under ``jax.jit`` and
-  ``lax.scan`` too: where the given sums are finite their derivatives pass
-  through, and recomputed blocks (non-finite sums) pass none.
+  Chosen per backend when the step is lowered (``jax.lax.platform_dependent``).
+  On XLA:CPU one branch for the whole tree: ordinary steps pay one test of the
+  small per-block sums, never a branch per leaf; reverse mode works through it
+  under ``jax.jit`` and ``lax.scan`` too: where the given sums are finite their
+  derivatives pass through, and recomputed blocks (non-finite sums) pass none.
+  Elsewhere no branch (a GPU or a TPU waits on the host for a branch's
+  predicate): every leaf's sums are taken again by :func:`branch_free_sums`, in
+  one pass over its vectors, and the given sums are not read.
   """
   sums = [tuple(jnp.asarray(x, jnp.float32) for x in s) for s in sums]
   if not sums:

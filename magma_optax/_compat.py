@@ -117,7 +117,7 @@ def has_mosaic_gpu() -> bool:
     from jax.experimental.pallas import mosaic_gpu as plgpu
   except ImportError:  # a jaxlib built without it
     return False
-  return JAX_VERSION >= (0, 12) and hasattr(plgpu, "InterpretGPUParams")
+  return JAX_VERSION >= (0, 11, 2) and hasattr(plgpu, "InterpretGPUParams")
 
 
 @functools.cache

@@ -5,12 +5,20 @@ block, and returns the per-block partial sums of Magma's cosine (see
 :mod:`magma_optax.kernels.reference` for the math). Implementations:
 
 * ``"xla"``: plain ``jax.numpy`` (:mod:`reference`), any backend; the CPU default.
-* ``"pallas"``: a Pallas kernel, the one for the backend (:func:`pallas_backend`):
-  Mosaic TPU on a TPU (:mod:`pallas_tpu`), Mosaic GPU on a Hopper-class GPU with
-  jax >= 0.12 (:mod:`pallas_mgpu`), Triton on other GPUs and on jax < 0.12
-  (:mod:`pallas_gpu`). Needs contiguous blocks. On sharded leaves it runs once per
-  shard (:mod:`partitioned`): no leaf is gathered.
-* a sequence such as ``("pallas", "xla")``: the first that can run.
+* ``"pallas"``: a Pallas kernel, chosen by the platform the step is lowered for
+  (:func:`by_platform`, ``jax.lax.platform_dependent``), not by the machine that
+  traces it, so a Pallas step compiles ahead of time for a device that is not
+  attached: Mosaic TPU for a TPU (:mod:`pallas_tpu`); for CUDA, Mosaic GPU where a
+  Hopper-class GPU is attached and jax >= 0.12 (:mod:`pallas_mgpu`), else Triton
+  (:mod:`pallas_gpu`, :mod:`grouped`) -- Mosaic GPU's lowering is registered only
+  where jax's CUDA plugin is installed, so lowering for CUDA on a machine without a
+  GPU picks Triton (under an abstract device on an abstract mesh, which jax's
+  Triton lowering asks for); Triton for ROCm. Lowered for a CPU it raises
+  ``ValueError`` (:func:`_compat.unavailable`). Needs contiguous blocks. On
+  sharded leaves it runs once per shard (:mod:`partitioned`): no leaf is gathered.
+  Many leaves share one Triton call (:func:`finish_masked_adam_many`).
+* a sequence such as ``("pallas", "xla")``: the first that can run, per platform:
+  the kernel where the step is lowered for a GPU or a TPU, XLA elsewhere.
 
 ``interpret=`` runs the Pallas kernel on CPU (slow: tests only, small sizes):
 ``True`` the Triton-layout kernel in the generic Pallas interpreter; ``"tpu"`` the
@@ -22,8 +30,9 @@ Any other value, or an interpreter this jax lacks, raises ``ValueError``
 
 ``implementation=None`` tries ``DEFAULT_IMPLEMENTATIONS`` -- XLA for now, until the
 Pallas kernels have been measured on a GPU and a TPU by ``benchmarks/gpu_check.py``
-and ``benchmarks/tpu_check.py`` -- and falls back silently to XLA off-accelerator.
-An explicit request that cannot run raises ``ValueError`` at trace time, saying why.
+and ``benchmarks/tpu_check.py``. An explicit request that cannot run raises
+``ValueError`` saying why: at trace time (blocks that are not contiguous), or where
+the step is lowered for a platform without the kernel.
 
 The per-block scale may depend on this step's alignment sums (Magma's score needs
 cos(m_t, g_t) before the update is scaled). Pass ``scale=`` a callable
@@ -48,8 +57,9 @@ computed from, so a caller can evaluate the same function of them again
 callback. The step also comes in two halves, :func:`start_masked_adam` (checks,
 implementation, sums) and :func:`finish_masked_adam` (the scaled update), for a
 caller that looks at every leaf's sums before it scales any: ``adam_magma``
-recomputes the blocks whose float32 sums overflowed or cancelled, for the whole tree
-in one branch (``_alignment.settle_sums``), between them.
+makes the blocks whose float32 sums overflowed or cancelled exact, for the whole
+tree at once (``_alignment.settle_sums``: one branch on XLA:CPU, none elsewhere),
+between them, and finishes many leaves at once (:func:`finish_masked_adam_many`).
 
 On XLA:CPU reductions are single-threaded library calls that cannot share a pass
 with the elementwise Adam loops, so every reduction is a separate read. Two things
@@ -62,6 +72,9 @@ block, carried in the optimizer state) ||m_t||^2 follows without reading m_t aga
 
 (the recursion contracts errors by b1^2 per step, so rounding does not accumulate;
 where its right-hand side cancels, the block is NaN and summed directly, as above).
+On a GPU or a TPU none of this is needed: ``adam_magma`` sums every block directly
+there, all its sums in one fused pass (``_alignment.branch_free_sums``), and XLA
+drops the carried and derived sums it does not read.
 """
 
 from __future__ import annotations

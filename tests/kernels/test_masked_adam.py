@@ -385,15 +385,22 @@ def test_default_path_lowers_no_pallas_kernel_and_no_triton_warning(monkeypatch)
   import optax
 
   import magma_optax as magma
+  from magma_optax.kernels import grouped
 
   calls = []
-  kernel = pallas_gpu.masked_adam_pallas
 
-  def counted(*args, **kwargs):
-    calls.append(1)
-    return kernel(*args, **kwargs)
+  def counted(kernel):
+    def call(*args, **kwargs):
+      calls.append(kernel.__name__)
+      return kernel(*args, **kwargs)
 
-  monkeypatch.setattr(pallas_gpu, "masked_adam_pallas", counted)
+    return call
+
+  for module, name in (
+    (pallas_gpu, "masked_adam_pallas"),
+    (grouped, "masked_adam_grouped"),
+  ):
+    monkeypatch.setattr(module, name, counted(getattr(module, name)))
   params = {"w": jnp.ones((8, 16)), "b": jnp.ones(16)}
 
   def steps(*txs):
@@ -406,7 +413,13 @@ def test_default_path_lowers_no_pallas_kernel_and_no_triton_warning(monkeypatch)
   assert not steps(magma.adam_magma(1e-3), magma.magma(optax.adam(1e-3)))
   assert not calls
   steps(magma.adam_magma(1e-3, implementation="pallas", interpret=True))
-  assert len(calls) == 2  # one kernel per leaf
+  assert calls == ["masked_adam_grouped"]  # one kernel call for both leaves
+  steps(
+    magma.adam_magma(
+      1e-3, implementation="pallas", interpret=True, block_sizes=kernels.BlockSizes()
+    )
+  )
+  assert calls[1:] == ["masked_adam_pallas"] * 2  # the per-leaf kernel, per leaf
 
 
 def test_pallas_under_vmap_matches_xla_per_example():
