@@ -193,7 +193,7 @@ def adam_magma(
       Triton-layout kernel in the generic Pallas interpreter; ``"tpu"`` the Mosaic
       TPU kernel in the TPU interpreter (``pltpu.InterpretParams``); ``"gpu"`` the
       Mosaic GPU kernel in its interpreter (``plgpu.InterpretGPUParams``, jax >=
-      0.12). Used with ``implementation="pallas"``. Any other value, or an
+      0.11.2). Used with ``implementation="pallas"``. Any other value, or an
       interpreter the installed jax lacks, raises ``ValueError`` at the first
       update (see :func:`magma_optax.kernels.masked_adam`).
     block_sizes: Pallas tile shape (default: the heuristic).

@@ -110,8 +110,9 @@ def pallas_tpu():
 def has_mosaic_gpu() -> bool:
   """Whether this jax has Mosaic GPU's public Pallas API and its interpreter.
 
-  ``plgpu.InterpretGPUParams`` became public in jax 0.12; older lines (0.10.x)
-  keep only the Triton backend usable from this package.
+  The API the kernels use and ``plgpu.InterpretGPUParams`` are public in jax
+  0.11.2 (the line of the GPU image measured) and 0.12; 0.10.x keeps only the
+  Triton backend usable from this package.
   """
   try:
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -122,10 +123,10 @@ def has_mosaic_gpu() -> bool:
 
 @functools.cache
 def pallas_mosaic_gpu():
-  """``jax.experimental.pallas.mosaic_gpu`` (jax >= 0.12: :func:`has_mosaic_gpu`)."""
+  """``jax.experimental.pallas.mosaic_gpu`` (jax >= 0.11.2: :func:`has_mosaic_gpu`)."""
   if not has_mosaic_gpu():
     raise ValueError(
-      "the Mosaic GPU kernel and its interpreter (interpret='gpu') need jax >= 0.12"
+      "the Mosaic GPU kernel and its interpreter (interpret='gpu') need jax >= 0.11.2"
       f" (jax.experimental.pallas.mosaic_gpu.InterpretGPUParams); jax {jax.__version__}"
       " is installed. Use interpret='tpu' or True, or upgrade jax."
     )

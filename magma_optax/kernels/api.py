@@ -24,7 +24,7 @@ block, and returns the per-block partial sums of Magma's cosine (see
 ``True`` the Triton-layout kernel in the generic Pallas interpreter; ``"tpu"`` the
 Mosaic TPU kernel in ``pltpu.InterpretParams()`` (its tiles, SMEM scalars and
 grid-ordered accumulation exercised); ``"gpu"`` the Mosaic GPU kernel in
-``plgpu.InterpretGPUParams()`` (jax >= 0.12). ``False`` compiles for the device.
+``plgpu.InterpretGPUParams()`` (jax >= 0.11.2). ``False`` compiles for the device.
 Any other value, or an interpreter this jax lacks, raises ``ValueError``
 (:func:`check_interpret`).
 
@@ -123,7 +123,7 @@ def check_interpret(interpret: Any) -> bool | str:
   Raises:
     ValueError: for any other value, naming the argument and the valid ones; for
       ``"gpu"`` on a jax without Mosaic GPU's interpreter, naming the version
-      needed (jax >= 0.12).
+      needed (jax >= 0.11.2).
   """
   if isinstance(interpret, bool):
     return interpret
@@ -133,7 +133,7 @@ def check_interpret(interpret: Any) -> bool | str:
     return interpret
   raise ValueError(
     f"interpret must be False, True (the generic Pallas interpreter), 'tpu'"
-    f" (the TPU interpreter) or 'gpu' (the Mosaic GPU interpreter, jax >= 0.12);"
+    f" (the TPU interpreter) or 'gpu' (the Mosaic GPU interpreter, jax >= 0.11.2);"
     f" got {interpret!r}."
   )
 
@@ -152,9 +152,9 @@ def pallas_backend(interpret: bool | str = False, platform: str | None = None) -
 
   ``"mosaic_tpu"`` with ``interpret="tpu"`` or for a TPU; ``"mosaic_gpu"`` with
   ``interpret="gpu"`` or for CUDA where a Hopper-class GPU is attached and jax >=
-  0.12; ``"triton"`` otherwise (other GPUs, ROCm, jax < 0.12, the generic
-  interpreter, and CUDA lowered on a machine without a GPU: Mosaic GPU's lowering
-  is registered only where jax's CUDA plugin is installed).
+  :data:`MOSAIC_GPU_FROM`; ``"triton"`` otherwise (other GPUs, ROCm, older jax,
+  the generic interpreter, and CUDA lowered on a machine without a GPU: Mosaic
+  GPU's lowering is registered only where jax's CUDA plugin is installed).
 
   Args:
     interpret: as in :func:`masked_adam`.
@@ -168,17 +168,26 @@ def pallas_backend(interpret: bool | str = False, platform: str | None = None) -
     return "mosaic_gpu"
   if interpret:
     return "triton"
+  mosaic_gpu = _compat.has_mosaic_gpu() and _compat.JAX_VERSION >= MOSAIC_GPU_FROM
   if platform is None:
     backend = jax.default_backend()
     if backend == "tpu":
       return "mosaic_tpu"
     hopper = backend == "gpu" and is_hopper(jax.devices()[0])
-    return "mosaic_gpu" if hopper and _compat.has_mosaic_gpu() else "triton"
+    return "mosaic_gpu" if hopper and mosaic_gpu else "triton"
   if platform == "tpu":
     return "mosaic_tpu"
-  if platform == "cuda" and _compat.has_mosaic_gpu() and _hopper_attached():
+  if platform == "cuda" and mosaic_gpu and _hopper_attached():
     return "mosaic_gpu"
   return "triton"
+
+
+# The jax line from which implementation="pallas" compiles the Mosaic GPU kernel
+# for a Hopper GPU instead of Triton. Its Pallas API and interpreter are there from
+# jax 0.11.2 (_compat.has_mosaic_gpu; benchmarks/gpu_check.py checks the kernel on
+# a device from then on), but the compiled kernel has not run on a GPU yet, and the
+# GPU image measured has jax 0.11.2: there Triton stays the GPU kernel.
+MOSAIC_GPU_FROM = (0, 12)
 
 
 def _hopper_attached() -> bool:
@@ -401,7 +410,7 @@ def masked_adam(
     interpret: ``False`` (compile for the device), ``True`` (the Triton-layout
       kernel in the generic Pallas interpreter), ``"tpu"`` (the Mosaic TPU
       kernel in the TPU interpreter) or ``"gpu"`` (the Mosaic GPU kernel in its
-      interpreter; jax >= 0.12). For CPU tests at small sizes.
+      interpreter; jax >= 0.11.2). For CPU tests at small sizes.
     block_sizes: Pallas tile shape (default: :meth:`BlockSizes.get_default`).
     mu_sq_norm_prev: optional per-block ||m||^2 of the incoming ``mu`` (the
       previous step's ``mu_sq_norm``); lets the XLA path skip one reduction. Only

@@ -270,7 +270,8 @@ def test_pallas_picks_the_backends_kernel(monkeypatch, backend, device, want):
   if device is not None:
     monkeypatch.setattr(jax, "devices", lambda *a: [device])
   if want == "hopper":
-    want = "mosaic_gpu" if _compat.has_mosaic_gpu() else "triton"
+    mosaic_gpu = _compat.JAX_VERSION >= api.MOSAIC_GPU_FROM
+    want = "mosaic_gpu" if _compat.has_mosaic_gpu() and mosaic_gpu else "triton"
   assert api.pallas_backend(False) == want
   assert api.pallas_backend("tpu") == "mosaic_tpu"
   assert api.pallas_backend(True) == "triton"
