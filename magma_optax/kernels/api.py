@@ -91,6 +91,7 @@ import jax.numpy as jnp
 from magma_optax import _blocks
 from magma_optax import _compat
 from magma_optax.kernels import config as config_lib
+from magma_optax.kernels import grouped
 from magma_optax.kernels import pallas_gpu
 from magma_optax.kernels import partitioned
 from magma_optax.kernels import reference
@@ -695,8 +696,6 @@ def finish_masked_adam_many(
     Per leaf a :class:`MaskedAdamOutput`, as :func:`finish_masked_adam` returns it
     (the sums of a leaf without ``pending.sums`` are summed from its outputs).
   """
-  from magma_optax.kernels import grouped  # noqa: PLC0415  Pallas on demand
-
   outs: list[Any] = [None] * len(pendings)
   groups: dict[Any, list[int]] = {}
   for i, (p, scale) in enumerate(zip(pendings, scales, strict=True)):
@@ -735,7 +734,6 @@ def _finish_group(
 ) -> list[reference.MaskedAdamOutput]:
   """The grouped leaves' step: the grouped Triton kernel for CUDA and ROCm, each
   leaf's own kernel for the others (:func:`by_platform`)."""
-  from magma_optax.kernels import grouped  # noqa: PLC0415  Pallas on demand
 
   def step(backend, operands):
     out = []
