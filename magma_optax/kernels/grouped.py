@@ -147,6 +147,17 @@ def masked_adam_grouped(
 
   Raises:
     ValueError: for more than :data:`MAX_LEAVES` leaves or an empty leaf.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from magma_optax.kernels import grouped, reference
+    >>> hyper = reference.hyperparams(1, 1e-3, 0.0, reference.AdamConstants())
+    >>> g, zeros = jnp.ones((4, 8)), jnp.zeros((4, 8))
+    >>> leaves = [grouped.Leaf(g, zeros, zeros, hyper, jnp.asarray([0.5]), 32),
+    ...           grouped.Leaf(g[0], zeros[0], zeros[0], hyper, None, 8)]
+    >>> (m, v, u), (m0, v0, u0) = grouped.masked_adam_grouped(leaves, interpret=True)
+    >>> round(float(u[0, 0]), 6), round(float(u0[0]), 6)  # scaled by 0.5, and 1
+    (-0.0005, -0.001)
   """
   pl = _compat.pallas()
   if not 0 < len(leaves) <= MAX_LEAVES:
