@@ -119,6 +119,13 @@ def test_step_lowered_for_cuda_has_no_data_dependent_control_flow(name, granular
   assert _control_flow(make(granularity=granularity)) == NONE
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_step_lowered_for_tpu_has_no_data_dependent_control_flow(name):
+  # A TPU, too, would wait on the host for a branch's predicate.
+  make, _ = TRANSFORMS[name]
+  assert _control_flow(make(granularity="row"), "tpu") == NONE
+
+
 @pytest.mark.parametrize("scope", ["where", "labels"])
 @pytest.mark.parametrize("name", NAMES)
 def test_scoped_step_lowered_for_cuda_has_no_data_dependent_control_flow(name, scope):
