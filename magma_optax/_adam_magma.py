@@ -1,8 +1,9 @@
 """Adam + Magma as one fused optimizer: the same updates as ``magma(optax.adam(...))``.
 
-``adam_magma`` computes, per leaf and in one kernel call (:func:`kernels.masked_adam`),
-Adam's moments, Magma's alignment sums and the masked, scaled update, instead of
-running ``optax.adam`` and then a second pass for the cosine and the mask. Planning,
+``adam_magma`` computes Adam's moments, Magma's alignment sums and the masked, scaled
+update in one fused step (:mod:`magma_optax.kernels`; with the Pallas kernel, one
+call for up to 64 leaves), instead of running ``optax.adam`` and then a second pass
+for the cosine and the mask. Planning,
 the draws and the mask state come from the same engine and rule as the wrapper's
 (:mod:`magma_optax._engine`, ``_alignment.AlignmentRule``: one draw per (key, step,
 leaf path, block)), so for the same key and hyperparameters the updates equal
@@ -19,10 +20,11 @@ outside the optimizer, update ``mu_sq_norm`` too (a step with ``param_mask`` giv
 recomputes it; so does a step after one whose float32 ``||mu||^2`` overflowed).
 
 Each step runs in two halves (:func:`kernels.start_masked_adam`, then
-:func:`kernels.finish_masked_adam`): first every leaf's block sums, then -- only
-where a block's float32 sums are not finite, in one branch for the whole tree --
-those blocks recomputed rescaled (``_alignment.settle_sums``), then the scores and
-the scaled updates. A carried ``||m_t||^2`` that cancels (m_t nearly zero next to
+:func:`kernels.finish_masked_adam_many`): first every leaf's block sums, then the
+blocks whose float32 sums are not finite recomputed rescaled
+(``_alignment.settle_sums``: on XLA:CPU in one branch for the whole tree, taken only
+then; on a GPU or a TPU every block's sums in one branch-free pass), then the scores
+and the scaled updates. A carried ``||m_t||^2`` that cancels (m_t nearly zero next to
 ``b1 m_{t-1}`` and ``(1 - b1) g``; :func:`kernels.carried_sums`) is NaN too, and
 summed directly the same way; blocks of fewer than ``kernels.api.DIRECT_BELOW``
 (16) entries, where that is frequent, sum it directly every step. So the cosines
@@ -119,7 +121,7 @@ def adam_magma(
   interpret: bool | str = False,
   block_sizes: kernels.BlockSizes | None = None,
 ) -> optax.GradientTransformationExtraArgs:
-  r"""Adam (or AdamW) with Magma masking, fused: one kernel call per leaf.
+  r"""Adam (or AdamW) with Magma masking, fused into one step.
 
   Per block b, with gradient g_t (Algorithm 1 of the paper, dense moments)::
 
@@ -169,14 +171,16 @@ def adam_magma(
       :func:`attention_mlp_weights`, the paper's scope).
     labels: labels for per-label keep probabilities and statistics.
     implementation: kernel choice, see :func:`magma_optax.kernels.masked_adam`:
-      ``"xla"``, ``"pallas"``, a sequence, or ``None``
+      ``"xla"``, ``"pallas"`` (the kernel of the platform the step is lowered for;
+      lowered for a CPU it raises ``ValueError``), a sequence (``("pallas",
+      "xla")``: the kernel on a GPU or a TPU, XLA elsewhere), or ``None``
       (``kernels.DEFAULT_IMPLEMENTATIONS``, XLA for now).
     interpret: run the Pallas kernel on CPU in an interpreter (tests only, small
       sizes; slow). ``False`` (default) compiles for the device; ``True`` runs the
       Triton-layout kernel in the generic Pallas interpreter; ``"tpu"`` the Mosaic
       TPU kernel in the TPU interpreter (``pltpu.InterpretParams``); ``"gpu"`` the
       Mosaic GPU kernel in its interpreter (``plgpu.InterpretGPUParams``, jax >=
-      0.12). Used with ``implementation="pallas"``. Any other value, or an
+      0.11.2). Used with ``implementation="pallas"``. Any other value, or an
       interpreter the installed jax lacks, raises ``ValueError`` at the first
       update (see :func:`magma_optax.kernels.masked_adam`).
     block_sizes: Pallas tile shape (default: the heuristic).
@@ -303,15 +307,21 @@ def adam_magma(
     # lost to one or to cancellation) recomputed exactly, in one branch for the
     # whole tree ...
     pending, sums, norms = _settle(pending, b1)
-    # ... then the scores, and the second half: the scaled updates.
-    out, new_mu, new_nu, new_scores, new_norms = [], [], [], [], []
+    # ... then the scores, and the second half: the scaled updates (Pallas leaves
+    # in as few kernel calls as they can share).
+    scores, scales = [], []
     for i, plan in enumerate(plans):
       scale = score = None
       if plan.layout is not None:
         cos = _alignment.cosine_from_sums(*sums[i])
         score = rule.score(old_scores[i], cos, count)
         scale = score * masks[i]
-      res = kernels.finish_masked_adam(pending[i], scale)
+      scores.append(score)
+      scales.append(scale)
+    results = kernels.finish_masked_adam_many(pending, scales)
+    out, new_mu, new_nu, new_scores, new_norms = [], [], [], [], []
+    for i, plan in enumerate(plans):
+      res, score = results[i], scores[i]
       if plan.layout is None:
         new_norms.append(optax.MaskedNode())
         new_scores.append(optax.MaskedNode())

@@ -21,14 +21,17 @@ again with the large vector divided by ``2**80`` (a power of two: exact), which
 keeps every finite float32 entry's square, and a sum of up to ``2**31`` of them,
 below float32's maximum, while the entries that overflowed stay normal numbers
 (:func:`exact_sums`). The cosine is invariant to those scalings, so it is exact to
-float32 rounding for every block of finite entries. Ordinary steps pay one test of
-the small per-block sums for this: :func:`settle_sums` recomputes them, for the
-whole parameter tree at once, in one branch that runs only when some block's sums
-are not finite. Only a block holding an inf or NaN has no cosine (NaN); its score
-is kept (:func:`next_score`). At the other end nothing is rescaled: entries below
-about ``1e-19`` have squares below float32's smallest normal number, which the sums
-lose, so a block of such tiny entries gets the cosine of its larger entries alone,
-or 0 (Adam's update there is about ``lr |g| / eps``: next to nothing).
+float32 rounding for every block of finite entries. On XLA:CPU ordinary steps pay
+one test of the small per-block sums for this: :func:`settle_sums` recomputes them,
+for the whole parameter tree at once, in one branch that runs only when some
+block's sums are not finite. A GPU or a TPU would wait on the host for that
+branch's predicate: there every block's sums are taken both ways in one pass and
+picked per block (:func:`branch_free_sums`), with no branch. Only a block holding
+an inf or NaN has no cosine (NaN); its score is kept (:func:`next_score`). At the
+other end nothing is rescaled: entries below about ``1e-19`` have squares below
+float32's smallest normal number, which the sums lose, so a block of such tiny
+entries gets the cosine of its larger entries alone, or 0 (Adam's update there is
+about ``lr |g| / eps``: next to nothing).
 """
 
 from __future__ import annotations
@@ -237,6 +240,53 @@ def exact_sums(
   return (dot, aa_s, bb_s), aa
 
 
+def branch_free_sums(
+  layout: _blocks.BlockLayout,
+  a: jax.Array,
+  b: jax.Array,
+  param_mask: jax.Array | None = None,
+) -> tuple[tuple[jax.Array, jax.Array, jax.Array], jax.Array]:
+  """:func:`exact_sums` in one pass, without a branch or a second read.
+
+  Every block's sums are computed with each vector as it is and divided by
+  ``2**RESCALE_EXPONENT``: ``||a||^2`` and ``||b||^2`` both ways, ``<a, b>`` the
+  four ways; then each block picks the ones :func:`exact_sums` would compute (the
+  same products, exactly). The eight reductions read ``a`` and ``b`` only, so XLA
+  on a GPU or a TPU computes them in one multi-output fusion, reading each input
+  once; on XLA:CPU each reduction is a pass of its own (:func:`settle_sums` keeps
+  the branch there). Returns ``((dot, aa, bb), plain_aa)`` as :func:`exact_sums`.
+  """
+  complex_ = jnp.iscomplexobj(a) or jnp.iscomplexobj(b)
+
+  def parts(x):
+    if param_mask is not None:
+      x = jnp.where(param_mask, x, jnp.zeros((), x.dtype))
+    return _parts(x, complex_)
+
+  xs, ys = parts(a), parts(b)
+  scale = 2.0**-RESCALE_EXPONENT
+  xs_s, ys_s = [x * scale for x in xs], [y * scale for y in ys]
+
+  def block_sum(us, vs):
+    return layout.block_sum(sum(u * v for u, v in zip(us, vs, strict=True)))
+
+  aa, aa_s = block_sum(xs, xs), block_sum(xs_s, xs_s)
+  bb, bb_s = block_sum(ys, ys), block_sum(ys_s, ys_s)
+  dots = {
+    (False, False): block_sum(xs, ys),
+    (True, False): block_sum(xs_s, ys),
+    (False, True): block_sum(xs, ys_s),
+    (True, True): block_sum(xs_s, ys_s),
+  }
+  large_a, large_b = ~(aa < _LARGE), ~(bb < _LARGE)  # NaN counts as large
+  dot = jnp.where(
+    large_a,
+    jnp.where(large_b, dots[True, True], dots[True, False]),
+    jnp.where(large_b, dots[False, True], dots[False, False]),
+  )
+  return (dot, jnp.where(large_a, aa_s, aa), jnp.where(large_b, bb_s, bb)), aa
+
+
 def settle_sums(
   layouts: list[_blocks.BlockLayout],
   sums: list[tuple[jax.Array, jax.Array, jax.Array]],
@@ -271,71 +321,96 @@ def settle_sums(
     unscaled ``||a||^2`` (summed directly in that case: a carry to keep); and
     ``operand`` (use it from here on).
 
-  One branch for the whole tree: ordinary steps pay one test of the small
-  per-block sums, never a branch per leaf (a GPU waits on the host for a
-  branch's predicate). Reverse mode works through it under ``jax.jit`` and
-  ``lax.scan`` too: where the given sums are finite their derivatives pass
-  through, and recomputed blocks (non-finite sums) pass none.
+  Chosen per backend when the step is lowered (``jax.lax.platform_dependent``).
+  On XLA:CPU one branch for the whole tree: ordinary steps pay one test of the
+  small per-block sums, never a branch per leaf; reverse mode works through it
+  under ``jax.jit`` and ``lax.scan`` too: where the given sums are finite their
+  derivatives pass through, and recomputed blocks (non-finite sums) pass none.
+  Elsewhere no branch (a GPU or a TPU waits on the host for a branch's
+  predicate): every leaf's sums are taken again by :func:`branch_free_sums`, in
+  one pass over its vectors, and the given sums are not read.
   """
   sums = [tuple(jnp.asarray(x, jnp.float32) for x in s) for s in sums]
   if not sums:
     return [], [], operand
+  # Whether jax.vmap batches the sums, seen here: inside a branch they are traced
+  # anew, unbatched.
+  batched = _compat.batched(sums)
 
-  def rescue(old, ops, rd):
+  def on_cpu(sums, operand, reads):
+    def rescue(old, ops, rd):
+      new, norms = [], []
+      for layout, s, (a, b, pm) in zip(layouts, old, vectors(ops, rd), strict=True):
+        exact, plain_aa = exact_sums(layout, a, b, s[1] if direct else None, s[2], pm)
+        new.append(exact)
+        norms.append(plain_aa)
+      return new, norms
+
+    def finite(s):
+      return jnp.isfinite(s[0]) & jnp.isfinite(s[1]) & jnp.isfinite(s[2])
+
+    def pred(sums):
+      # One predicate for the tree (each leaf reduced to a replicated scalar: a
+      # concatenation of differently sharded sums is an error on Explicit axes).
+      return ~jnp.all(jnp.stack([jnp.all(finite(s)) for s in sums]))
+
+    if not jax.tree.leaves(operand) and not batched:
+      # A cond: what it reads is not carried. (A loop's closure is part of its
+      # carry, which XLA copies where the step also returns those buffers.)
+      new, norms = _compat.cond(
+        pred(sums),
+        lambda args: rescue(args[0], (), args[1]),
+        lambda args: (args[0], [s[1] for s in args[0]]),
+        (sums, reads),
+      )
+      return new, norms, operand
+
+    # A loop, whose carry is updated in place: the operand passes through it (and
+    # under jax.vmap a cond with a batched predicate runs both branches on every
+    # step, a loop only while some member needs it). A loop has no reverse mode,
+    # hence the rule below.
+    @jax.custom_jvp
+    def looped(sums, operand, reads):
+      def body(carry):
+        new, norms = rescue(carry[0], carry[2], reads)
+        # Through a barrier: an element a loop passes on untouched is hoisted out
+        # of it as an invariant, and copied.
+        return new, norms, jax.lax.optimization_barrier(carry[2])
+
+      return _trees.run_if(pred(sums), body, (sums, [s[1] for s in sums], operand))
+
+    @looped.defjvp
+    def _(primals, tangents):
+      sums, dsums, doperand = primals[0], tangents[0], tangents[1]
+      dnew = [
+        tuple(jnp.where(finite(s), d, 0.0) for d in ds)
+        for s, ds in zip(sums, dsums, strict=True)
+      ]
+      dnorms = [
+        jnp.where(jnp.isfinite(s[1]), ds[1], 0.0)
+        for s, ds in zip(sums, dsums, strict=True)
+      ]
+      return looped(*primals), (dnew, dnorms, doperand)
+
+    return looped(sums, operand, reads)
+
+  def branch_free(sums, operand, reads):
+    del sums  # every sum is taken again, in one pass over the vectors
     new, norms = [], []
-    for layout, s, (a, b, pm) in zip(layouts, old, vectors(ops, rd), strict=True):
-      exact, plain_aa = exact_sums(layout, a, b, s[1] if direct else None, s[2], pm)
+    for layout, (a, b, pm) in zip(layouts, vectors(operand, reads), strict=True):
+      a, b = (x() if callable(x) else x for x in (a, b))
+      exact, plain_aa = branch_free_sums(layout, a, b, pm)
       new.append(exact)
       norms.append(plain_aa)
-    return new, norms
-
-  def finite(s):
-    return jnp.isfinite(s[0]) & jnp.isfinite(s[1]) & jnp.isfinite(s[2])
-
-  def pred(sums):
-    # One predicate for the tree (each leaf reduced to a replicated scalar: a
-    # concatenation of differently sharded sums is an error on Explicit axes).
-    return ~jnp.all(jnp.stack([jnp.all(finite(s)) for s in sums]))
-
-  if not jax.tree.leaves(operand) and not _compat.batched(sums):
-    # A cond: what it reads is not carried. (A loop's closure is part of its
-    # carry, which XLA copies where the step also returns those buffers.)
-    new, norms = _compat.cond(
-      pred(sums),
-      lambda args: rescue(args[0], (), args[1]),
-      lambda args: (args[0], [s[1] for s in args[0]]),
-      (sums, reads),
-    )
     return new, norms, operand
 
-  # A loop, whose carry is updated in place: the operand passes through it (and
-  # under jax.vmap a cond with a batched predicate runs both branches on every
-  # step, a loop only while some member needs it). A loop has no reverse mode,
-  # hence the rule below.
-  @jax.custom_jvp
-  def looped(sums, operand, reads):
-    def body(carry):
-      new, norms = rescue(carry[0], carry[2], reads)
-      # Through a barrier: an element a loop passes on untouched is hoisted out
-      # of it as an invariant, and copied.
-      return new, norms, jax.lax.optimization_barrier(carry[2])
-
-    return _trees.run_if(pred(sums), body, (sums, [s[1] for s in sums], operand))
-
-  @looped.defjvp
-  def _(primals, tangents):
-    sums, dsums, doperand = primals[0], tangents[0], tangents[1]
-    dnew = [
-      tuple(jnp.where(finite(s), d, 0.0) for d in ds)
-      for s, ds in zip(sums, dsums, strict=True)
-    ]
-    dnorms = [
-      jnp.where(jnp.isfinite(s[1]), ds[1], 0.0)
-      for s, ds in zip(sums, dsums, strict=True)
-    ]
-    return looped(*primals), (dnew, dnorms, doperand)
-
-  return looped(sums, operand, reads)
+  # The one place where the step differs by backend: on XLA:CPU a branch costs
+  # nothing and the rescaled sums cost a pass each, so they run only on steps
+  # that need them; a GPU or a TPU would wait on the host for that branch's
+  # predicate, and reads the vectors once for all the sums.
+  return _compat.platform_dependent(
+    sums, operand, reads, cpu=on_cpu, default=branch_free
+  )
 
 
 def next_score(

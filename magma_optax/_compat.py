@@ -110,28 +110,37 @@ def pallas_tpu():
 def has_mosaic_gpu() -> bool:
   """Whether this jax has Mosaic GPU's public Pallas API and its interpreter.
 
-  ``plgpu.InterpretGPUParams`` became public in jax 0.12; older lines (0.10.x)
-  keep only the Triton backend usable from this package.
+  The API the kernels use and ``plgpu.InterpretGPUParams`` are public in jax
+  0.11.2 (the line of the GPU image measured) and 0.12; 0.10.x keeps only the
+  Triton backend usable from this package.
   """
   try:
     from jax.experimental.pallas import mosaic_gpu as plgpu
   except ImportError:  # a jaxlib built without it
     return False
-  return JAX_VERSION >= (0, 12) and hasattr(plgpu, "InterpretGPUParams")
+  return JAX_VERSION >= (0, 11, 2) and hasattr(plgpu, "InterpretGPUParams")
 
 
 @functools.cache
 def pallas_mosaic_gpu():
-  """``jax.experimental.pallas.mosaic_gpu`` (jax >= 0.12: :func:`has_mosaic_gpu`)."""
+  """``jax.experimental.pallas.mosaic_gpu`` (jax >= 0.11.2: :func:`has_mosaic_gpu`)."""
   if not has_mosaic_gpu():
     raise ValueError(
-      "the Mosaic GPU kernel and its interpreter (interpret='gpu') need jax >= 0.12"
+      "the Mosaic GPU kernel and its interpreter (interpret='gpu') need jax >= 0.11.2"
       f" (jax.experimental.pallas.mosaic_gpu.InterpretGPUParams); jax {jax.__version__}"
       " is installed. Use interpret='tpu' or True, or upgrade jax."
     )
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
   return plgpu
+
+
+@functools.cache
+def pallas_triton():
+  """``jax.experimental.pallas.triton`` (Triton's masked loads and stores)."""
+  from jax.experimental.pallas import triton as plt
+
+  return plt
 
 
 def triton_compiler_params(num_warps: int) -> Any:
@@ -254,13 +263,16 @@ def partitionable() -> bool:
   """Whether XLA may partition the step being traced over several devices: its
   sharding propagation then runs across the step, and one computation over
   several leaves ties their shardings together (it may pick one leaf's for
-  another's output). ``False`` in a one-device process and inside a
-  ``jax.shard_map`` whose mesh axes are all manual (each device runs its own)."""
+  another's output). ``False`` in a one-device process, in a mesh of one device
+  (also an abstract one) and inside a ``jax.shard_map`` whose mesh axes are all
+  manual (each device runs its own)."""
   if jax.device_count() == 1:
     return False
   mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return True
   manual = jax.sharding.AxisType.Manual
-  return mesh.empty or any(t != manual for t in mesh.axis_types)
+  return mesh.size > 1 and any(t != manual for t in mesh.axis_types)
 
 
 def _manual_axes() -> tuple[str, ...]:
@@ -399,19 +411,17 @@ def fori_loop(lower: int, upper: Any, body_fun: Any, init: Any) -> Any:
   return jax.lax.fori_loop(lower, upper, body_fun, init)
 
 
-def cond(pred: Any, true_fun: Any, false_fun: Any, *operands: Any) -> Any:
-  """``jax.lax.cond``, also inside ``jax.shard_map`` where one branch's output varies
-  along a manual mesh axis and the other's does not (a constant): both are then
-  cast to vary along the axes of either. Outside ``shard_map``, ``lax.cond``."""
-  axes = _manual_axes()
-  if not axes:
-    return jax.lax.cond(pred, true_fun, false_fun, *operands)
-  # Each branch traced once: for its types, then replayed as the branch.
-  traced = [
-    jax.make_jaxpr(f, return_shape=True)(*operands) for f in (true_fun, false_fun)
-  ]
+def _same_types(funs: list[Any], operands: tuple[Any, ...]) -> list[Any]:
+  """``funs`` (each called on ``operands``), inside ``jax.shard_map`` each cast to
+  vary along the manual mesh axes along which any of them varies, output by output,
+  and traced once (for the types, then replayed); elsewhere ``funs``."""
+  if not _manual_axes():
+    return funs
+  traced = [jax.make_jaxpr(f, return_shape=True)(*operands) for f in funs]
   outs = [closed.out_avals for closed, _ in traced]
-  union = [_varying_aval(a) | _varying_aval(b) for a, b in zip(*outs, strict=True)]
+  union = [
+    frozenset().union(*map(_varying_aval, avals)) for avals in zip(*outs, strict=True)
+  ]
 
   def cast(fun):
     def branch(*args):
@@ -422,5 +432,71 @@ def cond(pred: Any, true_fun: Any, false_fun: Any, *operands: Any) -> Any:
 
     return branch
 
-  true_fun, false_fun = (replay(t) for t in traced)
-  return jax.lax.cond(pred, cast(true_fun), cast(false_fun), *operands)
+  return [cast(replay(t)) for t in traced]
+
+
+def cond(pred: Any, true_fun: Any, false_fun: Any, *operands: Any) -> Any:
+  """``jax.lax.cond``, also inside ``jax.shard_map`` where one branch's output varies
+  along a manual mesh axis and the other's does not (a constant): both are then
+  cast to vary along the axes of either. Outside ``shard_map``, ``lax.cond``."""
+  true_fun, false_fun = _same_types([true_fun, false_fun], operands)
+  return jax.lax.cond(pred, true_fun, false_fun, *operands)
+
+
+def platform_dependent(*operands: Any, default: Any, **per_platform: Any) -> Any:
+  """``per_platform[p](*operands)`` for the platform ``p`` the step is lowered for
+  (``cpu``, ``cuda``, ``rocm``, ``tpu``), else ``default(*operands)``:
+  ``jax.lax.platform_dependent``, chosen at lowering time (the program holds the
+  one branch, in a ``case`` on a constant that XLA folds: no branch on the
+  device), also inside ``jax.shard_map`` (as :func:`cond`)."""
+  names = list(per_platform)
+  funs = _same_types([per_platform[n] for n in names] + [default], operands)
+  chosen = dict(zip(names, funs[:-1], strict=True))
+  return jax.lax.platform_dependent(*operands, default=funs[-1], **chosen)
+
+
+@functools.cache
+def _unavailable_p() -> Any:
+  """The primitive of :func:`unavailable`: the identity for every transformation,
+  but its lowering and its eager evaluation raise ``ValueError(message)``. Linear
+  (its tangents and cotangents go through it too, so no derivative skips the
+  error) and batched as the identity."""
+  from jax.interpreters import ad
+  from jax.interpreters import batching
+  from jax.interpreters import mlir
+
+  p = jax.extend.core.Primitive("magma_optax_unavailable")
+  p.multiple_results = True
+  p.def_abstract_eval(lambda *avals, message: avals)
+
+  def fail(*args, message):
+    del args
+    raise ValueError(message)
+
+  p.def_impl(fail)  # run eagerly (platform_dependent picks its branch at once)
+
+  def jvp(primals, tangents, message):
+    tangents = [ad.instantiate_zeros(t) for t in tangents]
+    return p.bind(*primals, message=message), p.bind(*tangents, message=message)
+
+  def transpose(cts, *args, message):
+    del args
+    return p.bind(*[ad.instantiate_zeros(t) for t in cts], message=message)
+
+  mlir.register_lowering(p, fail)
+  batching.primitive_batchers[p] = lambda args, dims, message: (
+    p.bind(*args, message=message),
+    dims,
+  )
+  ad.primitive_jvps[p] = jvp
+  ad.primitive_transposes[p] = transpose
+  return p
+
+
+def unavailable(tree: Any, message: str) -> Any:
+  """``tree`` (arrays), in a program that cannot be lowered: lowering it raises
+  ``ValueError(message)``. For the branch of :func:`platform_dependent` of a
+  platform where what was asked for cannot run: the request fails when the step
+  is lowered for that platform, and only then."""
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef.unflatten(_unavailable_p().bind(*leaves, message=message))

@@ -14,6 +14,7 @@ from magma_optax.kernels.api import IMPLEMENTATIONS
 from magma_optax.kernels.api import PendingAdam
 from magma_optax.kernels.api import derived_sums
 from magma_optax.kernels.api import finish_masked_adam
+from magma_optax.kernels.api import finish_masked_adam_many
 from magma_optax.kernels.api import masked_adam
 from magma_optax.kernels.api import resolve_implementation
 from magma_optax.kernels.api import start_masked_adam
@@ -34,6 +35,7 @@ __all__ = (
   "TileAdamOutput",
   "derived_sums",
   "finish_masked_adam",
+  "finish_masked_adam_many",
   "masked_adam",
   "masked_adam_reference",
   "resolve_implementation",

@@ -5,25 +5,34 @@ block, and returns the per-block partial sums of Magma's cosine (see
 :mod:`magma_optax.kernels.reference` for the math). Implementations:
 
 * ``"xla"``: plain ``jax.numpy`` (:mod:`reference`), any backend; the CPU default.
-* ``"pallas"``: a Pallas kernel, the one for the backend (:func:`pallas_backend`):
-  Mosaic TPU on a TPU (:mod:`pallas_tpu`), Mosaic GPU on a Hopper-class GPU with
-  jax >= 0.12 (:mod:`pallas_mgpu`), Triton on other GPUs and on jax < 0.12
-  (:mod:`pallas_gpu`). Needs contiguous blocks. On sharded leaves it runs once per
-  shard (:mod:`partitioned`): no leaf is gathered.
-* a sequence such as ``("pallas", "xla")``: the first that can run.
+* ``"pallas"``: a Pallas kernel, chosen by the platform the step is lowered for
+  (:func:`by_platform`, ``jax.lax.platform_dependent``), not by the machine that
+  traces it, so a Pallas step compiles ahead of time for a device that is not
+  attached: Mosaic TPU for a TPU (:mod:`pallas_tpu`); for CUDA, Mosaic GPU where a
+  Hopper-class GPU is attached and jax >= 0.12 (:mod:`pallas_mgpu`), else Triton
+  (:mod:`pallas_gpu`, :mod:`grouped`) -- Mosaic GPU's lowering is registered only
+  where jax's CUDA plugin is installed, so lowering for CUDA on a machine without a
+  GPU picks Triton (under an abstract device on an abstract mesh, which jax's
+  Triton lowering asks for); Triton for ROCm. Lowered for a CPU it raises
+  ``ValueError`` (:func:`_compat.unavailable`). Needs contiguous blocks. On
+  sharded leaves it runs once per shard (:mod:`partitioned`): no leaf is gathered.
+  Many leaves share one Triton call (:func:`finish_masked_adam_many`).
+* a sequence such as ``("pallas", "xla")``: the first that can run, per platform:
+  the kernel where the step is lowered for a GPU or a TPU, XLA elsewhere.
 
 ``interpret=`` runs the Pallas kernel on CPU (slow: tests only, small sizes):
 ``True`` the Triton-layout kernel in the generic Pallas interpreter; ``"tpu"`` the
 Mosaic TPU kernel in ``pltpu.InterpretParams()`` (its tiles, SMEM scalars and
 grid-ordered accumulation exercised); ``"gpu"`` the Mosaic GPU kernel in
-``plgpu.InterpretGPUParams()`` (jax >= 0.12). ``False`` compiles for the device.
+``plgpu.InterpretGPUParams()`` (jax >= 0.11.2). ``False`` compiles for the device.
 Any other value, or an interpreter this jax lacks, raises ``ValueError``
 (:func:`check_interpret`).
 
 ``implementation=None`` tries ``DEFAULT_IMPLEMENTATIONS`` -- XLA for now, until the
 Pallas kernels have been measured on a GPU and a TPU by ``benchmarks/gpu_check.py``
-and ``benchmarks/tpu_check.py`` -- and falls back silently to XLA off-accelerator.
-An explicit request that cannot run raises ``ValueError`` at trace time, saying why.
+and ``benchmarks/tpu_check.py``. An explicit request that cannot run raises
+``ValueError`` saying why: at trace time (blocks that are not contiguous), or where
+the step is lowered for a platform without the kernel.
 
 The per-block scale may depend on this step's alignment sums (Magma's score needs
 cos(m_t, g_t) before the update is scaled). Pass ``scale=`` a callable
@@ -48,8 +57,9 @@ computed from, so a caller can evaluate the same function of them again
 callback. The step also comes in two halves, :func:`start_masked_adam` (checks,
 implementation, sums) and :func:`finish_masked_adam` (the scaled update), for a
 caller that looks at every leaf's sums before it scales any: ``adam_magma``
-recomputes the blocks whose float32 sums overflowed or cancelled, for the whole tree
-in one branch (``_alignment.settle_sums``), between them.
+makes the blocks whose float32 sums overflowed or cancelled exact, for the whole
+tree at once (``_alignment.settle_sums``: one branch on XLA:CPU, none elsewhere),
+between them, and finishes many leaves at once (:func:`finish_masked_adam_many`).
 
 On XLA:CPU reductions are single-threaded library calls that cannot share a pass
 with the elementwise Adam loops, so every reduction is a separate read. Two things
@@ -62,10 +72,14 @@ block, carried in the optimizer state) ||m_t||^2 follows without reading m_t aga
 
 (the recursion contracts errors by b1^2 per step, so rounding does not accumulate;
 where its right-hand side cancels, the block is NaN and summed directly, as above).
+On a GPU or a TPU none of this is needed: ``adam_magma`` sums every block directly
+there, all its sums in one fused pass (``_alignment.branch_free_sums``), and XLA
+drops the carried and derived sums it does not read.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -77,6 +91,7 @@ import jax.numpy as jnp
 from magma_optax import _blocks
 from magma_optax import _compat
 from magma_optax.kernels import config as config_lib
+from magma_optax.kernels import grouped
 from magma_optax.kernels import pallas_gpu
 from magma_optax.kernels import partitioned
 from magma_optax.kernels import reference
@@ -109,7 +124,7 @@ def check_interpret(interpret: Any) -> bool | str:
   Raises:
     ValueError: for any other value, naming the argument and the valid ones; for
       ``"gpu"`` on a jax without Mosaic GPU's interpreter, naming the version
-      needed (jax >= 0.12).
+      needed (jax >= 0.11.2).
   """
   if isinstance(interpret, bool):
     return interpret
@@ -119,7 +134,7 @@ def check_interpret(interpret: Any) -> bool | str:
     return interpret
   raise ValueError(
     f"interpret must be False, True (the generic Pallas interpreter), 'tpu'"
-    f" (the TPU interpreter) or 'gpu' (the Mosaic GPU interpreter, jax >= 0.12);"
+    f" (the TPU interpreter) or 'gpu' (the Mosaic GPU interpreter, jax >= 0.11.2);"
     f" got {interpret!r}."
   )
 
@@ -133,12 +148,19 @@ def is_hopper(device: Any) -> bool:
   return any(name in kind for name in ("H100", "H200", "H800", "H20", "GH200"))
 
 
-def pallas_backend(interpret: bool | str = False) -> str:
+def pallas_backend(interpret: bool | str = False, platform: str | None = None) -> str:
   """The kernel ``implementation="pallas"`` runs: see :data:`partitioned.BACKENDS`.
 
-  ``"mosaic_tpu"`` on a TPU or with ``interpret="tpu"``; ``"mosaic_gpu"`` with
-  ``interpret="gpu"`` or on a Hopper-class GPU with jax >= 0.12; ``"triton"``
-  otherwise (other GPUs, jax < 0.12, and the generic interpreter).
+  ``"mosaic_tpu"`` with ``interpret="tpu"`` or for a TPU; ``"mosaic_gpu"`` with
+  ``interpret="gpu"`` or for CUDA where a Hopper-class GPU is attached and jax >=
+  :data:`MOSAIC_GPU_FROM`; ``"triton"`` otherwise (other GPUs, ROCm, older jax,
+  the generic interpreter, and CUDA lowered on a machine without a GPU: Mosaic
+  GPU's lowering is registered only where jax's CUDA plugin is installed).
+
+  Args:
+    interpret: as in :func:`masked_adam`.
+    platform: the platform the step is lowered for (``"cuda"``, ``"rocm"``,
+      ``"tpu"``); ``None``: the default backend's.
   """
   interpret = check_interpret(interpret)
   if interpret == "tpu":
@@ -147,12 +169,88 @@ def pallas_backend(interpret: bool | str = False) -> str:
     return "mosaic_gpu"
   if interpret:
     return "triton"
-  backend = jax.default_backend()
-  if backend == "tpu":
+  mosaic_gpu = _compat.has_mosaic_gpu() and _compat.JAX_VERSION >= MOSAIC_GPU_FROM
+  if platform is None:
+    backend = jax.default_backend()
+    if backend == "tpu":
+      return "mosaic_tpu"
+    hopper = backend == "gpu" and is_hopper(jax.devices()[0])
+    return "mosaic_gpu" if hopper and mosaic_gpu else "triton"
+  if platform == "tpu":
     return "mosaic_tpu"
-  if backend == "gpu" and _compat.has_mosaic_gpu() and is_hopper(jax.devices()[0]):
+  if platform == "cuda" and mosaic_gpu and _hopper_attached():
     return "mosaic_gpu"
   return "triton"
+
+
+# The jax line from which implementation="pallas" compiles the Mosaic GPU kernel
+# for a Hopper GPU instead of Triton. Its Pallas API and interpreter are there from
+# jax 0.11.2 (_compat.has_mosaic_gpu; benchmarks/gpu_check.py checks the kernel on
+# a device from then on), but the compiled kernel has not run on a GPU yet, and the
+# GPU image measured has jax 0.11.2: there Triton stays the GPU kernel.
+MOSAIC_GPU_FROM = (0, 12)
+
+
+def _hopper_attached() -> bool:
+  """Whether this process has a CUDA backend whose first GPU is Hopper-class."""
+  try:
+    devices = jax.devices("cuda")
+  except RuntimeError:  # no CUDA backend (no plugin, or no GPU)
+    return False
+  return bool(devices) and is_hopper(devices[0])
+
+
+# The platforms with a Pallas kernel (jax.lax.platform_dependent's names).
+KERNEL_PLATFORMS = ("cuda", "rocm", "tpu")
+
+
+def by_platform(kernel: Callable[..., Any], off_device: Any, *operands: Any) -> Any:
+  """``kernel(backend, *operands)`` with the backend of the platform the step is
+  lowered for (:func:`pallas_backend`), chosen at lowering time: a Pallas step
+  traced on any machine lowers for a GPU or a TPU. Every platform's branch is
+  traced; a ``ValueError`` that one raises (tiles its kernel cannot take) is
+  raised when the step is lowered for that platform.
+
+  Args:
+    kernel: ``kernel(backend, *operands)``, the step with that backend's kernel.
+    off_device: ``"xla"`` (``off_device(*operands)`` is then computed by
+      ``kernel(None, *operands)``: XLA where no kernel runs) or ``None`` (lowering
+      for any other platform raises ``ValueError``, saying why).
+    *operands: the arrays (pytrees) the step reads.
+  """
+  import functools
+
+  def on(platform, *args):
+    try:
+      return kernel(pallas_backend(platform=platform), *args)
+    except ValueError as e:  # e.g. tiles this platform's kernel cannot take
+      # Every branch is traced, whichever is lowered: the error is raised where
+      # the step is lowered for this platform, and only there.
+      return _compat.unavailable(kernel(None, *args), f"{platform}: {e}")
+
+  branches = {
+    platform: functools.partial(on, platform) for platform in KERNEL_PLATFORMS
+  }
+
+  def elsewhere(platform, *args):
+    out = kernel(None, *args)  # XLA: the shapes, and the fallback's values
+    if off_device == "xla":
+      return out
+    return _compat.unavailable(
+      out,
+      f"implementation='pallas' needs a GPU or a TPU, and this step is lowered for"
+      f" {platform}; pass interpret=True, 'tpu' or 'gpu' to run a kernel in an"
+      " interpreter (slow; for tests), implementation='xla', or"
+      " implementation=('pallas', 'xla') for the kernel where one runs and XLA"
+      " elsewhere",
+    )
+
+  return _compat.platform_dependent(
+    *operands,
+    cpu=functools.partial(elsewhere, "'cpu'"),
+    default=functools.partial(elsewhere, "a platform without Pallas kernels"),
+    **branches,
+  )
 
 
 def device_reason(interpret: bool | str = False) -> str | None:
@@ -185,13 +283,14 @@ def why_unavailable(
   check_implementation(implementation)
   if implementation == "xla":
     return None
+  del interpret  # any: the kernel follows the platform the step is lowered for
   if not pallas_gpu.is_contiguous(layout):
     return (
       "the Pallas kernel needs contiguous mask blocks (granularity 'tensor', 'row'"
       f" or 'element'), but this leaf's blocks reduce axes {layout.reduce_axes}"
       f" of {layout.expanded_shape}"
     )
-  return device_reason(interpret)
+  return None
 
 
 def first_available(
@@ -221,6 +320,20 @@ def first_available(
   raise ValueError(
     f"implementation={implementation!r} cannot run here: " + "; ".join(reasons) + "."
   )
+
+
+def off_device(implementation: str | Sequence[str] | None) -> str | None:
+  """What runs instead of the Pallas kernel where none can (a step lowered for a
+  CPU): ``"xla"`` where the request names it after ``"pallas"``, else ``None``
+  (lowering there raises ``ValueError``)."""
+  if implementation is None:
+    order = DEFAULT_IMPLEMENTATIONS
+  elif isinstance(implementation, str):
+    order = (implementation,)
+  else:
+    order = tuple(implementation)
+  rest = order[order.index("pallas") + 1 :] if "pallas" in order else ()
+  return "xla" if "xla" in rest else None
 
 
 def resolve_implementation(
@@ -298,7 +411,7 @@ def masked_adam(
     interpret: ``False`` (compile for the device), ``True`` (the Triton-layout
       kernel in the generic Pallas interpreter), ``"tpu"`` (the Mosaic TPU
       kernel in the TPU interpreter) or ``"gpu"`` (the Mosaic GPU kernel in its
-      interpreter; jax >= 0.12). For CPU tests at small sizes.
+      interpreter; jax >= 0.11.2). For CPU tests at small sizes.
     block_sizes: Pallas tile shape (default: :meth:`BlockSizes.get_default`).
     mu_sq_norm_prev: optional per-block ||m||^2 of the incoming ``mu`` (the
       previous step's ``mu_sq_norm``); lets the XLA path skip one reduction. Only
@@ -349,10 +462,11 @@ def sums_where_lost(pending: PendingAdam, b1: Any) -> tuple[jax.Array, ...]:
   """``pending.sums`` with the blocks whose ``||m_t||^2`` is NaN summed directly.
 
   Derived and carried sums mark a block NaN where their recursion cancelled or was
-  lost to an overflow (:func:`carried_sums`); one branch, taken only on steps with
-  such a block, sums ``m_t`` and ``g`` there directly (plain float32 sums: inf
-  where those overflow). ``adam_magma`` settles the whole tree at once instead
-  (``_alignment.settle_sums``, which also rescales overflowing blocks).
+  lost to an overflow (:func:`carried_sums`); ``m_t`` and ``g`` are summed there
+  directly (plain float32 sums: inf where those overflow): on XLA:CPU in one
+  branch, taken only on steps with such a block, elsewhere on every step.
+  ``adam_magma`` settles the whole tree at once instead (``_alignment.settle_sums``,
+  which also rescales overflowing blocks).
   """
   p = pending
   if p.sums is None:
@@ -372,7 +486,12 @@ def sums_where_lost(pending: PendingAdam, b1: Any) -> tuple[jax.Array, ...]:
     exact = reference.partial_sums(p.layout, m, grad, param_mask)
     return tuple(jnp.where(lost, e, s) for e, s in zip(exact, sums, strict=True))
 
-  return _compat.cond(jnp.any(lost), direct, lambda *ops: ops[-1], *operands)
+  def on_cpu(*operands):  # the direct sums only on steps that lost some
+    return _compat.cond(jnp.any(lost), direct, lambda *ops: ops[-1], *operands)
+
+  # Elsewhere every step sums directly, branch-free: a GPU or a TPU would wait on
+  # the host for the branch's predicate.
+  return _compat.platform_dependent(*operands, cpu=on_cpu, default=direct)
 
 
 class PendingAdam(NamedTuple):
@@ -393,6 +512,8 @@ class PendingAdam(NamedTuple):
     moments: the XLA path's new ``(m_t, v_t)`` in f32 when ``sums`` are given
       (their update is computed from them), else ``None``.
     interpret, block_sizes: for the Pallas kernel.
+    off_device: for ``"pallas"``, what runs where no kernel can (a step lowered
+      for a CPU): ``"xla"``, or ``None`` (lowering there raises): :func:`off_device`.
   """
 
   implementation: str
@@ -407,6 +528,7 @@ class PendingAdam(NamedTuple):
   moments: tuple[jax.Array, jax.Array] | None
   interpret: bool | str
   block_sizes: config_lib.BlockSizes | None
+  off_device: str | None = None
 
 
 def start_masked_adam(
@@ -492,7 +614,7 @@ def start_masked_adam(
     sums = derived_sums(layout, mu, grad, b1, param_mask)
   return PendingAdam(
     impl, grad, mu, nu, params, param_mask, hyper, layout, sums, moments, interpret,
-    block_sizes,
+    block_sizes, off_device(implementation),
   )  # fmt: skip
 
 
@@ -525,11 +647,24 @@ def finish_masked_adam(
       p.grad, p.mu, p.nu, p.hyper, scale=scale, layout=p.layout,
       param_mask=p.param_mask, params=p.params,
     )  # fmt: skip
-  out = partitioned.masked_adam_pallas_partitioned(
-    p.grad, p.mu, p.nu, p.hyper, scale=scale, layout=p.layout,
-    param_mask=p.param_mask, params=p.params, block_sizes=p.block_sizes,
-    interpret=bool(p.interpret), backend=pallas_backend(p.interpret),
-  )  # fmt: skip
+
+  def step(backend, grad, mu, nu, hyper, scale, param_mask, params):
+    if backend is None:  # no kernel for this platform: the XLA step
+      return reference.masked_adam_reference(
+        grad, mu, nu, hyper, scale=scale, layout=p.layout, param_mask=param_mask,
+        params=params,
+      )  # fmt: skip
+    return partitioned.masked_adam_pallas_partitioned(
+      grad, mu, nu, hyper, scale=scale, layout=p.layout, param_mask=param_mask,
+      params=params, block_sizes=p.block_sizes, interpret=bool(p.interpret),
+      backend=backend,
+    )  # fmt: skip
+
+  operands = (p.grad, p.mu, p.nu, p.hyper, scale, p.param_mask, p.params)
+  if p.interpret:
+    out = step(pallas_backend(p.interpret), *operands)
+  else:
+    out = by_platform(step, p.off_device, *operands)
   if p.sums is None:
     return out
   # Every path returns the sums that a scale was computed from (here: derived
@@ -537,6 +672,107 @@ def finish_masked_adam(
   return out._replace(
     mu_dot_grad=p.sums[0], mu_sq_norm=p.sums[1], grad_sq_norm=p.sums[2]
   )
+
+
+def finish_masked_adam_many(
+  pendings: Sequence[PendingAdam], scales: Sequence[jax.Array | None]
+) -> list[reference.MaskedAdamOutput]:
+  """:func:`finish_masked_adam` for many leaves, in few kernel launches.
+
+  The Pallas leaves share kernel calls where they can (:mod:`grouped`): lowered
+  for CUDA (where Triton is the GPU kernel) or ROCm, and in the generic
+  interpreter (``interpret=True``), one call per :data:`grouped.MAX_LEAVES`
+  leaves, whatever their shapes and dtypes. Each other leaf runs on its own, as
+  :func:`finish_masked_adam` runs it: XLA leaves, the Mosaic kernels (TPU, Mosaic
+  GPU, their interpreters), leaves with explicit ``block_sizes`` (the per-leaf
+  kernel's tiles), and steps that XLA may partition over several devices or that
+  ``jax.vmap`` batches (the per-leaf kernel has the rules for those).
+
+  Args:
+    pendings: per leaf what :func:`start_masked_adam` returned.
+    scales: per leaf its f32 per-block scale (or ``None``: 1).
+
+  Returns:
+    Per leaf a :class:`MaskedAdamOutput`, as :func:`finish_masked_adam` returns it
+    (the sums of a leaf without ``pending.sums`` are summed from its outputs).
+  """
+  outs: list[Any] = [None] * len(pendings)
+  groups: dict[Any, list[int]] = {}
+  for i, (p, scale) in enumerate(zip(pendings, scales, strict=True)):
+    if _groupable(p, scale):
+      groups.setdefault((bool(p.interpret), p.off_device), []).append(i)
+    else:
+      outs[i] = finish_masked_adam(p, scale)
+  for (interpret, off), members in groups.items():
+    for at in range(0, len(members), grouped.MAX_LEAVES):
+      chunk = members[at : at + grouped.MAX_LEAVES]
+      done = _finish_group(
+        [pendings[i] for i in chunk], [scales[i] for i in chunk], interpret, off
+      )
+      for i, out in zip(chunk, done, strict=True):
+        outs[i] = out
+  return outs
+
+
+def _groupable(p: PendingAdam, scale: Any) -> bool:
+  """Whether ``p`` can share a grouped Triton call (see
+  :func:`finish_masked_adam_many`)."""
+  if p.implementation != "pallas" or not isinstance(p.interpret, bool):
+    return False
+  arrays = [p.grad, p.mu, p.nu, p.param_mask, p.params, scale]
+  return (
+    p.block_sizes is None
+    and math.prod(p.grad.shape) > 0
+    and not _compat.batched(arrays)
+    and not _compat.partitionable()
+    and partitioned.explicit_mesh([x for x in arrays if x is not None]) is None
+  )
+
+
+def _finish_group(
+  pendings: list[PendingAdam], scales: list[Any], interpret: bool, off: str | None
+) -> list[reference.MaskedAdamOutput]:
+  """The grouped leaves' step: the grouped Triton kernel for CUDA and ROCm, each
+  leaf's own kernel for the others (:func:`by_platform`)."""
+
+  def step(backend, operands):
+    out = []
+    if backend == "triton":
+      leaves = [
+        grouped.Leaf(g, m, v, hyper, scale, p.layout.block_size, pm, params)
+        for p, (g, m, v, hyper, scale, pm, params) in zip(
+          pendings, operands, strict=True
+        )
+      ]
+      return grouped.masked_adam_grouped(leaves, interpret=interpret)
+    for p, (g, m, v, hyper, scale, pm, params) in zip(pendings, operands, strict=True):
+      if backend is None:  # no kernel for this platform: the XLA step
+        res = reference.masked_adam_reference(
+          g, m, v, hyper, scale=scale, layout=p.layout, param_mask=pm, params=params
+        )
+      else:
+        res = partitioned.masked_adam_pallas_partitioned(
+          g, m, v, hyper, scale=scale, layout=p.layout, param_mask=pm,
+          params=params, backend=backend,
+        )  # fmt: skip
+      out.append(tuple(res[:3]))
+    return out
+
+  operands = [
+    (p.grad, p.mu, p.nu, p.hyper, scale, p.param_mask, p.params)
+    for p, scale in zip(pendings, scales, strict=True)
+  ]
+  if interpret:
+    results = step("triton", operands)
+  else:
+    results = by_platform(step, off, operands)
+  outs = []
+  for p, (new_m, new_v, u) in zip(pendings, results, strict=True):
+    sums = p.sums
+    if sums is None:  # summed from the outputs, as the per-leaf kernels do
+      sums = reference.partial_sums(p.layout, new_m, p.grad, p.param_mask)
+    outs.append(reference.MaskedAdamOutput(new_m, new_v, u, *sums))
+  return outs
 
 
 def carried_sums(

@@ -14,11 +14,12 @@ block to be contiguous in memory (``"tensor"``, ``"row"``, ``"element"`` and any
 Padding copies the leaf, so it costs bandwidth; sizes that are multiples of the tile
 need none. The parameter mask travels as int8 (Triton loads bytes, not bits).
 
-This kernel runs where Triton is the only option (jax < 0.12, GPUs older than
-Hopper; see :mod:`pallas_mgpu` for why) and under the generic Pallas interpreter
-(``interpret=True``). TPUs get :mod:`pallas_tpu` (Mosaic needs (8, 128) tiles and
-sums accumulated over an "arbitrary" grid axis: a different kernel), Hopper GPUs
-on jax >= 0.12 get :mod:`pallas_mgpu`.
+This kernel runs for CUDA and ROCm where the Mosaic GPU kernel does not (see
+:mod:`pallas_mgpu` for where), with explicit ``block_sizes`` or where the step may
+be partitioned over devices (else :mod:`grouped` takes many leaves in one call),
+and under the generic Pallas interpreter (``interpret=True``). TPUs get
+:mod:`pallas_tpu` (Mosaic needs (8, 128) tiles and sums accumulated over an
+"arbitrary" grid axis: a different kernel).
 """
 
 from __future__ import annotations

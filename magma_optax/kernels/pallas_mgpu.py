@@ -4,15 +4,25 @@ Why a second GPU kernel: jax 0.11 deprecated Pallas' Triton backend ("migrate to
 the Mosaic GPU backend"), so on a current jax every Triton kernel lowered warns, and
 the backend will go. Mosaic GPU is where jax's own GPU kernels went
 (``jax.experimental.pallas.ops.gpu.*_mgpu``), but it targets Hopper (sm_90: H100,
-H200) and newer, and its interpreter (``plgpu.InterpretGPUParams``) is public only
-from jax 0.12. So ``implementation="pallas"`` on a GPU selects (:mod:`api`):
+H200) and newer. What this kernel uses of it -- ``copy_gmem_to_smem``,
+``copy_smem_to_gmem``, ``barrier_wait``, ``commit_smem``, ``wait_smem_to_gmem``,
+``Barrier``, ``SMEM``, ``CompilerParams`` -- and its interpreter
+(``plgpu.InterpretGPUParams``) are public, with the same signatures, in jax 0.11.2
+(the line of the GPU image measured, CUDA 13) and 0.12; 0.10.x lacks them. So
+``implementation="pallas"`` for CUDA compiles (:func:`api.pallas_backend`):
 
-* Mosaic GPU (this module) on a Hopper-class GPU with jax >= 0.12;
-* Triton (:mod:`pallas_gpu`) where it is the only option: jax < 0.12 (0.10.x is
-  the last line for Python 3.11; there Mosaic GPU's Pallas API and interpreter are
-  not public) and GPUs older than Hopper (Ampere, Ada), which Mosaic GPU does not
-  target. Only these users lower a Triton kernel (on jax >= 0.11 with jax's
-  deprecation warning), so the warning reaches no one who did not need Triton.
+* Mosaic GPU (this module) on a Hopper-class GPU with jax >=
+  :data:`api.MOSAIC_GPU_FROM` (0.12); its compiled form has not run on a GPU yet,
+  and ``benchmarks/gpu_check.py`` checks it on a Hopper GPU from jax 0.11.2 on;
+* Triton (:mod:`pallas_gpu`, :mod:`grouped`) elsewhere: jax 0.11.2 (until the
+  check above has passed on a device), jax 0.10.x (the last line for Python
+  3.11), GPUs older than Hopper (Ampere, Ada), which Mosaic GPU does not target,
+  and lowering for CUDA on a machine without a GPU (Mosaic GPU's lowering is
+  registered only where jax's CUDA plugin is installed). On jax >= 0.11 jax warns
+  that the Triton backend is deprecated.
+
+This kernel takes one leaf per call (launches grow with the leaves; the grouped
+Triton kernel takes up to 64).
 
 The kernel is the simplest correct one: the leaf in the row layout of
 :mod:`pallas_gpu` (each mask block padded to whole rows of ``block_cols``, rows
@@ -142,7 +152,7 @@ def masked_adam_pallas_mgpu(
     block_sizes: tile shape; default :meth:`BlockSizes.get_default` with at
       least 4 rows and 16 entries (TMA copies whole multiples of 16 bytes).
     interpret: run in the Mosaic GPU interpreter (``plgpu.InterpretGPUParams()``,
-      on CPU; jax >= 0.12).
+      on CPU; jax >= 0.11.2).
 
   Raises:
     ValueError: if the layout's blocks are not contiguous, the tile is too small

@@ -44,18 +44,18 @@ Per backend (:func:`why_unavailable` gives the constraints as a sentence):
   array, loads the ``(r, c)`` tile with dynamic offsets (``pl.ds``) from the 2-D
   view ``(rows * r, cols * c)`` of ``g``, and zeroes it for an empty slot. Triton's
   blocks need powers of two: ``r`` and ``c`` must be powers of two.
-* ``"mosaic_gpu"`` (Hopper, jax >= 0.12): a program takes a group of 4 slots,
-  copies their 4 indices (one 16-byte TMA copy) to SMEM, and per slot copies with
-  TMA the tile of ``g`` at that index (a 2-D box of the view ``(rows * r, cols *
-  c)``), m and v to SMEM, updates them in registers over the SMEM copies, and copies
-  m', v' and the update back (m, v aliased to m', v'). The indices are padded to
-  whole groups (K int32s; the state is not copied); slots past K are skipped. TMA
-  boxes: ``r, c <= 256``, rows of ``c`` entries a multiple of 16 bytes, and a tile of
-  g, m and v within 96 KiB of shared memory. Simplest correct form, as
-  :mod:`pallas_mgpu`: no pipelining across slots; in the interpreter one program
-  takes all groups (jax 0.12.0's GPU interpreter keeps program 0's writes only). It
-  has run in ``plgpu.InterpretGPUParams()`` only; ``benchmarks/gpu_check.py``
-  compiles it on a Hopper GPU.
+* ``"mosaic_gpu"`` (Hopper, jax >= 0.12; its interpreter from 0.11.2): a program takes
+  a group of 4 slots, copies their 4 indices (one 16-byte TMA copy) to SMEM, and per
+  slot copies with TMA the tile of ``g`` at that index (a 2-D box of the view ``(rows
+  * r, cols * c)``), m and v to SMEM, updates them in registers over the SMEM copies,
+  and copies m', v' and the update back (m, v aliased to m', v'). The indices are
+  padded to whole groups (K int32s; the state is not copied); slots past K are
+  skipped. TMA boxes: ``r, c <= 256``, rows of ``c`` entries a multiple of 16 bytes,
+  and a tile of g, m and v within 96 KiB of shared memory. Simplest correct form, as
+  :mod:`pallas_mgpu`: no pipelining across slots; in the interpreter one program takes
+  all groups (jax 0.12.0's GPU interpreter keeps program 0's writes only). It has run
+  in ``plgpu.InterpretGPUParams()`` only; ``benchmarks/gpu_check.py`` compiles it on a
+  Hopper GPU.
 
 Example:
 
@@ -130,7 +130,7 @@ def why_unavailable(block: tuple[int, int], dtypes: Any, backend: str) -> str | 
   if backend == "mosaic_gpu":
     if not _compat.has_mosaic_gpu():
       return (
-        f"the Mosaic GPU tile kernel needs jax >= 0.12 (jax {jax.__version__} is"
+        f"the Mosaic GPU tile kernel needs jax >= 0.11.2 (jax {jax.__version__} is"
         " installed); use the Triton kernel."
       )
     widths = [c * jnp.dtype(d).itemsize for d in dtypes]

@@ -18,11 +18,13 @@ it restricted to the axes that index blocks.
 * Which spec: the first of g, m, v, the mask and the params that splits the leaf
   (a ZeRO-style step with a replicated gradient keeps the moments' layout); the
   moments and the update come back with it.
-* One device, or inside ``shard_map`` (all mesh axes manual): the kernel runs as is
-  (``custom_partitioning`` inlines it; under ``shard_map`` the blocks are the local
-  shard's, as for every transform of this package, see :mod:`magma_optax.sharding`;
-  pass ``check_vma=False`` to ``shard_map``, ``pallas_call`` outputs carry no
-  varying-axes type).
+* One device, a mesh of one device (also an abstract one: lowering for a device
+  that is not attached), or inside ``shard_map`` (all mesh axes manual): the kernel
+  runs as is, without ``custom_partitioning`` (which cannot lower under an abstract
+  mesh); under ``shard_map`` the blocks are the local shard's, as for every
+  transform of this package, see :mod:`magma_optax.sharding`; pass
+  ``check_vma=False`` to ``shard_map``, ``pallas_call`` outputs carry no
+  varying-axes type.
 * ``jax.vmap``: a ``custom_vmap`` rule maps the unpartitioned kernel (the
   partitioner has no batching rule), so a vmapped step on sharded leaves may gather;
   on Explicit axes a batch axis that is itself sharded fails in ``pallas_call``'s
@@ -267,6 +269,11 @@ def _first_sharded_spec(shardings) -> PartitionSpec:
   return PartitionSpec()
 
 
+def explicit_mesh(arrays):
+  """The mesh whose ``Explicit`` axes shard one of ``arrays``, else ``None``."""
+  return _explicit_mesh_and_spec(arrays)[0]
+
+
 def _explicit_mesh_and_spec(arrays):
   """(mesh, spec) if the arrays' types carry a sharding (Explicit axes), else None."""
   shardings = [getattr(jax.typeof(x), "sharding", None) for x in arrays]
@@ -316,11 +323,15 @@ def masked_adam_pallas_partitioned(
   args = [hyper.astype(jnp.float32), scale, grad, mu, nu]
   args += [x for x in (param_mask, params) if x is not None]
   mesh, spec = _explicit_mesh_and_spec(args[2:])
-  if mesh is None and interpret and backend != "triton":
-    # The TPU and Mosaic GPU interpreters order their steps with ordered
-    # callbacks, an effect custom_partitioning cannot lower: run unpartitioned.
+  if mesh is None and (
+    not _compat.partitionable() or (interpret and backend != "triton")
+  ):
+    # Nothing to partition (one device, a mesh of one, inside shard_map): the
+    # kernel as it is, also under an abstract mesh, where custom_partitioning
+    # cannot lower. And the TPU and Mosaic GPU interpreters order their steps
+    # with ordered callbacks, an effect custom_partitioning cannot lower either.
     return reference.MaskedAdamOutput(*unpartitioned(*args))
-  if mesh is None:  # Auto axes or one device: the partitioner calls back
+  if mesh is None:  # Auto axes: the partitioner calls back
     return reference.MaskedAdamOutput(*kernel(*args))
   # Explicit axes: the shardings are known now, so map over the shards directly.
   leaf, block, psum_axes = _specs(layout, spec, mesh.shape)

@@ -2,7 +2,7 @@
 
 ``interpret="tpu"`` runs :mod:`pallas_tpu` in ``pltpu.InterpretParams()`` (jax 0.10.2
 and 0.12), ``interpret="gpu"`` runs :mod:`pallas_mgpu` in
-``plgpu.InterpretGPUParams()`` (jax >= 0.12; skipped with the reason on older jax).
+``plgpu.InterpretGPUParams()`` (jax >= 0.11.2; skipped with the reason on older jax).
 The reference is the XLA path (:mod:`reference`), itself checked against float64
 numpy in test_masked_adam.py. Fresh random inputs per case; every grid has at most
 16 steps.
@@ -33,7 +33,7 @@ from magma_optax.kernels import pallas_tpu
 
 NO_GPU_INTERPRETER = (
   f"jax {jax.__version__} has no Mosaic GPU interpreter"
-  " (plgpu.InterpretGPUParams is public from jax 0.12)"
+  " (plgpu.InterpretGPUParams is public from jax 0.11.2)"
 )
 INTERPRETERS = [
   "tpu",
@@ -239,11 +239,11 @@ def test_missing_interpreter_names_the_jax_version():
   if _compat.has_mosaic_gpu():
     assert api.check_interpret("gpu") == "gpu"  # the positive control
     return
-  with pytest.raises(ValueError, match=r"jax >= 0\.12") as err:
+  with pytest.raises(ValueError, match=r"jax >= 0\.11\.2") as err:
     kernels.masked_adam(g, g, g, count=1, learning_rate=1e-3, interpret="gpu")
   assert jax.__version__ in str(err.value)
   # Also through the default implementation (an interpreter request is explicit).
-  with pytest.raises(ValueError, match=r"jax >= 0\.12"):
+  with pytest.raises(ValueError, match=r"jax >= 0\.11\.2"):
     kernels.masked_adam(
       g, g, g, count=1, learning_rate=1e-3, implementation=None, interpret="gpu"
     )
@@ -270,7 +270,8 @@ def test_pallas_picks_the_backends_kernel(monkeypatch, backend, device, want):
   if device is not None:
     monkeypatch.setattr(jax, "devices", lambda *a: [device])
   if want == "hopper":
-    want = "mosaic_gpu" if _compat.has_mosaic_gpu() else "triton"
+    mosaic_gpu = _compat.JAX_VERSION >= api.MOSAIC_GPU_FROM
+    want = "mosaic_gpu" if _compat.has_mosaic_gpu() and mosaic_gpu else "triton"
   assert api.pallas_backend(False) == want
   assert api.pallas_backend("tpu") == "mosaic_tpu"
   assert api.pallas_backend(True) == "triton"

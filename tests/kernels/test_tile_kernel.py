@@ -3,7 +3,7 @@
 The reference gathers the active tiles of g with a fill for the empty slots and runs
 :func:`reference.tile_adam` on them (the XLA path of compact tile storage). Mosaic TPU
 runs in ``pltpu.InterpretParams()`` and Triton in the generic interpreter (both jax
-lines), Mosaic GPU in ``plgpu.InterpretGPUParams()`` (jax >= 0.12; skipped with the
+lines), Mosaic GPU in ``plgpu.InterpretGPUParams()`` (jax >= 0.11.2; skipped with the
 reason on older jax). Grids have at most 8 steps (slots, or groups of slots).
 
 Tolerances: float32 outputs rtol 1e-6 (the same f32 expressions; XLA may fuse
@@ -26,7 +26,7 @@ from magma_optax.kernels import reference
 
 NO_GPU_INTERPRETER = (
   f"jax {jax.__version__} has no Mosaic GPU interpreter"
-  " (plgpu.InterpretGPUParams is public from jax 0.12)"
+  " (plgpu.InterpretGPUParams is public from jax 0.11.2)"
 )
 HAS_MGPU = _compat.has_mosaic_gpu()
 BACKENDS = ["triton", "mosaic_tpu"] + (["mosaic_gpu"] if HAS_MGPU else [])
@@ -132,8 +132,8 @@ def test_leaf_with_leading_axes(backend):
     pytest.param(
       (8, 128),
       "mosaic_gpu",
-      "jax >= 0.12",
-      marks=pytest.mark.skipif(HAS_MGPU, reason="jax >= 0.12"),
+      "jax >= 0.11.2",
+      marks=pytest.mark.skipif(HAS_MGPU, reason="jax >= 0.11.2"),
     ),
     pytest.param(
       (8, 512),
