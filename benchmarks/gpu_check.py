@@ -71,6 +71,7 @@ import os
 import pathlib
 import queue
 import random
+import re
 import shutil
 import statistics
 import subprocess
@@ -983,6 +984,60 @@ def check_tiles(ctx: Context, cases, blocks, interprets) -> bool:
   return ok
 
 
+def check_donated_copies(ctx: Context, smoke: bool) -> bool:
+  """The donated step, compiled for this device, copies no moment: a copy of each
+  moment before the step overwrites it (as the generic Pallas interpreter's program
+  on a CPU makes for the grouped kernel) would cost a read and a write per entry.
+  A positive control keeps the old state alive, which must copy them."""
+  shapes = (
+    {"w": (48, 40), "v": (40, 24)} if smoke else {"w": (1024, 768), "v": (768, 512)}
+  )
+  params = {k: jnp.ones(s, jnp.float32) for k, s in shapes.items()}
+  pattern = "|".join(rf"f32\[{a},{b}\]" for a, b in shapes.values())
+  interp = ctx.interpret
+  makers = {
+    "adam_magma[pallas]": lambda: magma.adam_magma(
+      1e-3, granularity="row", implementation="pallas", interpret=interp
+    ),
+    "adam_magma[xla]": lambda: magma.adam_magma(1e-3, granularity="row"),
+    "magma(optax.adam)": lambda: magma.magma(optax.adam(1e-3), granularity="row"),
+  }
+
+  def copies(fn, tx):
+    args = (params, tx.init(params), params)
+    hlo = jax.jit(fn, donate_argnums=(0, 1)).lower(*args).compile().as_text()
+    entry = hlo[hlo.index("\nENTRY") :]
+    entry = entry[: entry.index("\n}")]
+    return re.findall(rf"(?:{pattern})\S* copy(?:-start)?\(", entry)
+
+  if smoke:  # the generic interpreter's program is not the device's
+    del makers["adam_magma[pallas]"]
+  ok = True
+  for name, make in makers.items():
+    try:
+      tx = make()
+
+      def step(p, s, g, tx=tx):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+      def keep_old(p, s, g, tx=tx):  # positive control: must copy the moments
+        u, new = tx.update(g, s, p)
+        return optax.apply_updates(p, u), new, s
+
+      n, control = len(copies(step, tx)), len(copies(keep_old, tx))
+    except Exception as e:  # noqa: BLE001
+      ok &= check(ctx, f"donated {name} copies no moment", False, _err(e))
+      continue
+    ok &= check(
+      ctx,
+      f"donated {name} copies no moment",
+      n == 0 and control >= 4,
+      f"{n} moment copies (control {control}):",
+    )
+  return ok
+
+
 def section_checks(ctx: Context) -> dict:
   interprets = _interprets(ctx)
   if ctx.smoke:
@@ -990,11 +1045,13 @@ def section_checks(ctx: Context) -> dict:
     ok &= check_optimizer(ctx, 8192, [True])  # Mosaic GPU's interpreter is slow
     ok &= check_top_k(ctx, (256, 512), smoke=True)
     ok &= check_tiles(ctx, SMOKE_TILE_CASES, [(8, 128)], interprets)
+    ok &= check_donated_copies(ctx, smoke=True)
   else:
     ok = check_kernels(ctx, CASES, interprets)
     ok &= check_optimizer(ctx, 2_000_000, interprets)
     ok &= check_top_k(ctx, (1024, 1024))
     ok &= check_tiles(ctx, TILE_CASES, [(8, 128), (1, 128)], interprets)
+    ok &= check_donated_copies(ctx, smoke=False)
   return {"ok": ok}
 
 
