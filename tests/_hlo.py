@@ -80,21 +80,70 @@ def data_dependent_control_flow(text: str) -> dict[str, int]:
   or a region that reads data.
   """
   counts = {"while": 0, "case": 0, "if": 0}
+  for kind, _, _, _ in _control_flow_ops(text):
+    if kind in counts:
+      counts[kind] += 1
+  return counts
+
+
+def top_level_control_flow(text: str) -> dict[str, int]:
+  """The ops of :func:`data_dependent_control_flow` that every run of the program
+  reaches: those not nested inside another one (a gate), following calls.
+
+  An op inside a private function counts once per call of that function from
+  outside every gate (``main``'s own ops, and the functions those call). What a
+  gate holds runs only when its predicate lets it: on the steps it opens.
+  """
+  ops = _control_flow_ops(text)
+  own: dict[str, dict[str, int]] = {}
+  calls: dict[str, list[str]] = {}
+  for kind, func, gated, callee in ops:
+    if gated:
+      continue
+    if kind == "call":
+      calls.setdefault(func, []).append(callee)
+    else:
+      own.setdefault(func, {"while": 0, "case": 0, "if": 0})[kind] += 1
+
+  def total(func, seen=()):
+    out = dict(own.get(func, {"while": 0, "case": 0, "if": 0}))
+    for callee in calls.get(func, []):
+      if callee in seen:  # no recursion in StableHLO; guard anyway
+        continue
+      for k, v in total(callee, (*seen, func)).items():
+        out[k] += v
+    return out
+
+  return total("main")
+
+
+def _control_flow_ops(text: str) -> list[tuple[str, str, bool, str | None]]:
+  """``(kind, function, gated, callee)`` per data-dependent ``while`` / ``case`` /
+  ``if`` (``callee`` ``None``) and per ``call`` (kind ``"call"``) of ``text``, in
+  order: ``gated`` where it sits inside a data-dependent op of its function."""
+  found = []
   data: set[str] = set()
-  # Open ops with regions: [defined names, depth before, reads data, while info].
+  # Open ops with regions: [defined names, depth before, reads data, while info,
+  # opens a gate].
   stack: list[list] = []
   depth = 0
+  func = None
   lines = text.splitlines()
   for n, line in enumerate(lines):
-    head = re.match(r"\s*func\.func .*?@[\w.$-]+\((.*)", line)
+    head = re.match(r"\s*func\.func .*?@([\w.$-]+)\((.*)", line)
     if head:
-      for arg, attrs in re.findall(r"(%arg\d+): [^,{)]+(\{[^}]*\})?", head.group(1)):
+      func = head.group(1)
+      for arg, attrs in re.findall(r"(%arg\d+): [^,{)]+(\{[^}]*\})?", head.group(2)):
         if "jax.global_constant" not in attrs:
           data.add(arg)
       depth += _depth_change(line)
       continue
+    gated = any(op[4] for op in stack)
     m = re.match(rf"\s*((?:{_SSA}(?::\d+)?)(?:, {_SSA}(?::\d+)?)*) = (.*)", line)
     names, rhs = (_defined(m.group(1)), m.group(2)) if m else ([], line)
+    callee = re.search(r"\bcall @([\w.$-]+)\(", rhs)
+    if callee:
+      found.append(("call", func, gated, callee.group(1)))
     reads = any(u in data for u in _uses(rhs))
     if reads:
       for op in stack:
@@ -103,32 +152,35 @@ def data_dependent_control_flow(text: str) -> dict[str, int]:
     if opens_while:
       inits = re.findall(rf"({_SSA}) = ({_SSA})", rhs)
       data.update(a for a, _ in inits)  # carries are data inside the loop
-      info = {"inits": dict(inits), "known": _known_trip_count(lines, n, data)}
-      stack.append([names, depth, reads, info])
+      known = _known_trip_count(lines, n, data)
+      info = {"inits": dict(inits), "known": known, "gated": gated}
+      stack.append([names, depth, reads, info, not known])
       depth += _depth_change(line)
       continue
+    gate = False
     if m and ("stablehlo.case" in rhs or rhs.startswith("stablehlo.if")):
       index = _uses(rhs)[0]
       if index in data:
-        counts["case" if "case" in rhs else "if"] += 1
+        found.append(("case" if "case" in rhs else "if", func, gated, None))
+        gate = True
     before = depth
     depth += _depth_change(line)
     if m and depth > before:  # an op with regions opens here
-      stack.append([names, before, reads, None])
+      stack.append([names, before, reads, None, gate])
       continue
     if reads:
       data.update(names)
     while (
       stack and depth <= stack[-1][1] and (stack[-1][3] is None or line.strip() == "}")
     ):
-      op_names, _, op_reads, info = stack.pop()
+      op_names, _, op_reads, info, _ = stack.pop()
       if info is not None and not info["known"]:
-        counts["while"] += 1
+        found.append(("while", func, info["gated"], None))
       if op_reads:
         data.update(op_names)
         if stack:
           stack[-1][2] = True
-  return counts
+  return found
 
 
 def _known_trip_count(lines: list[str], start: int, data: set[str]) -> bool:

@@ -75,10 +75,19 @@ class MaskPromises:
   new masks loses the promise, and its masks are checked as any others).
 
   ``pairs``: ``(mask array, bound)``; the wrapper keeps the arrays alive while its
-  inner update runs, so identity is meaningful. Not a pytree: a leaf to JAX.
+  inner update runs, so identity is meaningful. ``unchanged``: mask arrays equal
+  to those of the wrapper's previous update. Not a pytree: a leaf to JAX.
   """
 
   pairs: tuple[tuple[Any, MaskBound], ...] = ()
+  # Mask arrays equal to the masks of the wrapper's previous update (it changes
+  # masks on its refresh steps only, and says so on the others): the inner
+  # transform keeps what it built for them and moves nothing.
+  unchanged: tuple[Any, ...] = ()
+
+  def is_unchanged(self, mask: Any) -> bool:
+    """Whether this very mask leaf is promised equal to the previous update's."""
+    return any(m is mask for m in self.unchanged)
 
   def bound_of(self, mask: Any) -> MaskBound | None:
     """The bound promised of this very mask leaf (of the bound's shape), or

@@ -218,6 +218,16 @@ def periodic_mask(
     the mask arrays it passes: compact storage that holds the densest one then
     compiles no host callback for its mask checks (see :func:`sparse_state`).
 
+    ``update`` takes the static extra argument ``refresh``: ``None`` (default)
+    refreshes where the count says so, in one data-dependent branch for the
+    whole step (on a GPU the host waits for its predicate once per step);
+    ``False`` keeps the masks of the previous update with no branch at all
+    (promised to the inner transform, whose storages then move nothing);
+    ``True`` runs the step as the default does. A training loop that knows the
+    step number passes ``True`` on the first step and where the schedule
+    refreshes, ``False`` elsewhere (``docs/sparse.md``); ``False`` where the
+    schedule refreshes skips that refresh.
+
   Example:
     >>> import jax.numpy as jnp, optax
     >>> import magma_optax as magma
@@ -632,6 +642,15 @@ class _Pruning:
     return out, regrown, kept
 
   def update(self, updates, state, params=None, **extra_args):
+    refreshes = extra_args.pop("refresh", None)
+    if refreshes is not None and not isinstance(refreshes, bool):
+      raise ValueError(
+        "periodic_mask's extra argument refresh must be None (the step refreshes"
+        " when its count says so) or a Python bool (True: this step may refresh;"
+        f" False: it does not, with no branch at all); got {refreshes!r}. A traced"
+        " value cannot choose the step's program: compute it in Python from the"
+        " loop's step number."
+      )
     if params is None:
       raise ValueError(
         "periodic_mask needs the parameters: call update(updates, state, params)."
@@ -695,32 +714,63 @@ class _Pruning:
       pruned = (total - kept) / max(total, 1)
       return masks, inner_state, target, num, pruned
 
-    masks, inner_state, target_now, num_regrown, sparsity_now = _xla_cpu.run_if(
-      is_refresh,
-      refresh,
-      (
-        old,
-        state.inner_state,
-        state.target_sparsity,
-        jnp.zeros([], jnp.int32),
-        state.sparsity,
-      ),
+    kept_as_is = (
+      old,
+      state.target_sparsity,
+      jnp.zeros([], jnp.int32),
+      state.sparsity,
     )
-    mask_tree = treedef.unflatten(masks)
-    # What every mask of the run is (counts, tiles, groups), promised to the inner
-    # update for these very mask arrays: sparse_state's compact storage then needs
-    # no host callback for a check they cannot fail.
-    promises = tuple(
-      (m, bound)
-      for m, bound in zip(masks, self.bounds_of(plans, params), strict=True)
-      if bound is not None and bound.always
-    )
+    bounds = self.bounds_of(plans, params)
     extra_args.pop("mask_promises", None)  # an outer wrapper's: not of these masks
-    if promises:
-      extra_args["mask_promises"] = _mask_bounds.MaskPromises(promises)
-    inner_updates, inner_state = self.inner.update(
-      updates, inner_state, params, param_mask=mask_tree, **extra_args
-    )
+
+    def inner_update(masks, inner_state, unchanged):
+      # What every mask of the run is (counts, tiles, groups), promised to the inner
+      # update for these very mask arrays: sparse_state's compact storage then
+      # needs no host callback for a check they cannot fail. `unchanged`: they are
+      # the previous update's masks, so its storage moves nothing.
+      promises = _mask_bounds.MaskPromises(
+        tuple(
+          (m, bound)
+          for m, bound in zip(masks, bounds, strict=True)
+          if bound is not None and bound.always
+        ),
+        tuple(masks[i] for i in scoped) if unchanged else (),
+      )
+      args = dict(extra_args)
+      if promises.pairs or promises.unchanged:
+        args["mask_promises"] = promises
+      return self.inner.update(
+        updates, inner_state, params, param_mask=treedef.unflatten(masks), **args
+      )
+
+    def gated(inner_state):  # the refresh when the count says so
+      masks, inner_state, *rest = _xla_cpu.run_if(
+        is_refresh, refresh, (old, inner_state, *kept_as_is[1:])
+      )
+      return masks, *rest, *inner_update(masks, inner_state, unchanged=False)
+
+    def ordinary(inner_state):  # the masks of the previous update
+      return *kept_as_is, *inner_update(old, inner_state, unchanged=True)
+
+    if refreshes is True:
+      outs = gated(state.inner_state)
+    elif refreshes is False:
+      outs = ordinary(state.inner_state)
+    elif not _compat.is_tracer(count):
+      outs = gated(state.inner_state)
+    else:
+      # On a GPU or a TPU a loop's predicate is read back by the host: one branch
+      # for the whole step, whose ordinary side holds no loop at all. XLA:CPU
+      # keeps the loop of zero or one step, which updates the state in place (a
+      # cond would copy it).
+      first = count == 0  # the inner transform has not seen a mask yet
+      outs = _shard_map.platform_dependent(
+        state.inner_state,
+        cpu=gated,
+        default=lambda s: _shard_map.cond(is_refresh | first, gated, ordinary, s),
+      )
+    masks, target_now, num_regrown, sparsity_now, inner_updates, inner_state = outs
+    mask_tree = treedef.unflatten(masks)
     out = []
     for p, u, w, m in zip(
       plans, treedef.flatten_up_to(inner_updates), param_leaves, masks, strict=True

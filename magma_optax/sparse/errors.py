@@ -1,11 +1,10 @@
 """How a step reports a parameter mask that compact storage cannot hold.
 
-``on_error="raise"`` raises a ``ValueError`` (under ``jax.jit`` from a host
-callback); ``on_error="record"`` compiles none: each leaf keeps its first failure in
-the state (:attr:`magma_optax.SparseState.errors`: a kind and its counts per leaf),
-and
-:func:`check_sparse_state` raises it with the same message, also from a state
-restored from a checkpoint.
+Every step records it: each leaf keeps its first failure in the state
+(:attr:`magma_optax.SparseState.errors`: a kind and its counts per leaf), and
+:func:`check_sparse_state` raises it, also from a state restored from a
+checkpoint. ``on_error="raise"`` also raises it from the step where that costs no
+device round trip (eagerly, or from a host callback on XLA:CPU).
 """
 
 from __future__ import annotations
@@ -54,18 +53,19 @@ def recorded(records: jax.Array, checks: list[Any]) -> jax.Array:
 
 
 def check_sparse_state(opt_state: Any) -> None:
-  """Raises the failure that a ``sparse_state(..., on_error="record")`` step recorded.
+  """Raises the failure that a ``sparse_state`` step recorded.
 
-  With ``on_error="record"``, a step whose parameter mask fails a check of compact
-  storage (more active entries, groups or tiles than the capacity, or a mask not
-  made of whole tiles) raises nothing: a failing leaf keeps its stored entries or
-  tiles (its mask is replaced by them; its stored moments take the step there),
-  gets a zero update, and its first failure is recorded in
-  :attr:`SparseState.errors`. This reads those records (a transfer that waits for
-  the step that wrote them) and raises the ``ValueError`` that ``on_error="raise"``
-  would have raised. Call it where the training loop already reads values from the
-  device (its logging steps). Where several leaves hold records, the first in tree
-  order is raised (each keeps its own first failure).
+  A step whose parameter mask fails a check of compact storage (more active
+  entries, groups or tiles than the capacity, or a mask not made of whole tiles)
+  raises nothing on a GPU or a TPU, nor with ``on_error="record"`` anywhere: a
+  failing leaf keeps its stored entries or tiles (its mask is replaced by them;
+  its stored moments take the step there), gets a zero update, and its first
+  failure is recorded in :attr:`SparseState.errors`. This reads those records (a
+  transfer that waits for the step that wrote them) and raises the
+  ``ValueError`` that ``on_error="raise"`` raises on XLA:CPU. Call it where the
+  training loop already reads values from the device (its logging steps) and
+  before a checkpoint is saved. Where several leaves hold records, the first in
+  tree order is raised (each keeps its own first failure).
 
   Args:
     opt_state: an optimizer state, or any pytree holding :class:`SparseState`
@@ -110,22 +110,36 @@ def check_sparse_state(opt_state: Any) -> None:
     if _trees.is_masked(st.errors):
       continue
     checked = [s for s in st.storage.storages if s.compact]
+    if not checked:
+      continue
     records = np.asarray(st.errors).reshape(-1, len(checked), 1 + ERROR_VALUES)
     for j, s in enumerate(checked):
-      for kind, *values in records[:, j].tolist():
-        if kind:
-          raise ValueError(s.failure_message(*values[: s.failure_values]))
+      for record in records[:, j].tolist():
+        if record[0]:
+          raise ValueError(message_of(s, record))
 
 
-def raise_any(checks: list[_storage.Check]) -> jax.Array | None:
-  """Raises ``ValueError`` with the message of the first failing check.
+def message_of(storage: _storage.Storage, record: list[int]) -> str:
+  """The message of a leaf's record ``[kind, *counts]`` (its kind not 0)."""
+  kind, *values = record
+  return storage.message(kind, *values[: storage.failure_values])
 
-  With a concrete mask (``update`` called outside ``jax.jit``) the error is raised
-  here, before the step computes anything. Under ``jax.jit`` the counts are only
-  known when the step runs, and a compiled step can only fail through the runtime:
-  a host callback raises the same ``ValueError``, which JAX reports as a
-  ``JaxRuntimeError`` or a ``ValueError`` (with this message on the last line); the
-  step returns nothing, so no overflowing state reaches the caller.
+
+def raise_recorded(
+  records: jax.Array, rows: list[int], storages: list[_storage.Storage]
+) -> jax.Array | None:
+  """Raises ``ValueError`` with the message of the first of ``rows`` that holds a
+  failure, where the step can: ``on_error="raise"``.
+
+  With concrete records (``update`` called outside ``jax.jit``) the error is raised
+  here. Under ``jax.jit`` the records exist only when the step runs, and a compiled
+  step can only fail through the runtime: lowered for XLA:CPU, a host callback
+  raises the same ``ValueError``, which JAX reports as a ``JaxRuntimeError`` or a
+  ``ValueError`` (with this message on the last line), and the step returns
+  nothing. Lowered for a GPU or a TPU the step holds no callback (nor the branch
+  that guards it: a host round trip in every step): the failure stays recorded in
+  the state for :func:`check_sparse_state`, and the step loses nothing (the
+  failing leaf keeps its stored set and takes no update).
 
   Returns ``None``, or under ``jax.jit`` an int32 zero that the caller must fold
   into the step's outputs: the callback is a ``jax.pure_callback`` inside one
@@ -134,46 +148,47 @@ def raise_any(checks: list[_storage.Check]) -> jax.Array | None:
   that every device raises (a callback of one device would leave the others
   waiting at the next collective). (A ``jax.debug.callback`` is an effect: JAX
   would then wait for every step before dispatching the next.)
+
+  Args:
+    records: the step's records (:func:`recorded`), one row per compact leaf.
+    rows: the rows to raise from, in order.
+    storages: per row of ``records`` its leaf's storage.
   """
-  if not checks:
+  if not rows:
     return None
 
-  def fail(bads, *values):
-    at = 0
-    for check, bad in zip(checks, bads, strict=True):
-      n = len(check.values)
-      if bad:
-        raise ValueError(check.describe(*(int(v) for v in values[at : at + n])))
-      at += n
+  def fail(picked):
+    for k, record in zip(rows, np.asarray(picked).tolist(), strict=True):
+      if record[0]:
+        raise ValueError(message_of(storages[k], record))
     # Reached only under jax.vmap, where the cond runs both branches (one call
     # per batch element): nothing failed in this one.
     return np.zeros((), np.int32)
 
-  bads = jnp.stack([jnp.asarray(c.bad) for c in checks])
-  values = [v for c in checks for v in c.values]
-  if any(_compat.is_tracer(x) for x in (bads, *values)):
-    out = jax.ShapeDtypeStruct((), jnp.int32)
+  picked = records[np.asarray(rows)]
+  if not _compat.is_tracer(picked):
+    fail(picked)
+    return None
+  out = jax.ShapeDtypeStruct((), jnp.int32)
 
-    def check(bads, *values):
-      return _shard_map.cond(
-        jnp.any(bads),
-        lambda: jax.pure_callback(fail, out, bads, *values, vmap_method="sequential"),
-        lambda: jnp.zeros([], jnp.int32),
-      )
+  def check(picked):
+    return _shard_map.cond(
+      jnp.any(picked[..., 0] != 0),
+      lambda: jax.pure_callback(fail, out, picked, vmap_method="sequential"),
+      lambda: jnp.zeros([], jnp.int32),
+    )
 
-    mesh = jax.sharding.get_abstract_mesh()
-    manual = jax.sharding.AxisType.Manual
-    if not mesh.empty and mesh.size > 1 and manual not in mesh.axis_types:
-      # Under a mesh a callback runs on one device, and the others wait for it at
-      # the step's next collective (XLA:CPU aborts the process after a timeout).
-      # In a shard_map over the whole mesh every device runs the check, and all
-      # of them fail together (a JaxRuntimeError, as on one device).
-      check = jax.shard_map(
-        check, mesh=mesh, in_specs=jax.sharding.PartitionSpec(),
-        out_specs=jax.sharding.PartitionSpec(), check_vma=False,
-      )  # fmt: skip
-    values = [jnp.asarray(v) for v in values]
-    return check(bads, *values)
-  if bool(jnp.any(bads)):
-    fail([bool(b) for b in bads], *values)
-  return None
+  mesh = jax.sharding.get_abstract_mesh()
+  manual = jax.sharding.AxisType.Manual
+  if not mesh.empty and mesh.size > 1 and manual not in mesh.axis_types:
+    # Under a mesh a callback runs on one device, and the others wait for it at
+    # the step's next collective (XLA:CPU aborts the process after a timeout).
+    # In a shard_map over the whole mesh every device runs the check, and all
+    # of them fail together (a JaxRuntimeError, as on one device).
+    check = jax.shard_map(
+      check, mesh=mesh, in_specs=jax.sharding.PartitionSpec(),
+      out_specs=jax.sharding.PartitionSpec(), check_vma=False,
+    )  # fmt: skip
+  return _shard_map.platform_dependent(
+    picked, cpu=check, default=lambda picked: jnp.zeros([], jnp.int32)
+  )

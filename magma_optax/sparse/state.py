@@ -56,13 +56,12 @@ class SparseState(NamedTuple):
       steps with an all-inactive mask; ``optax.MaskedNode`` otherwise.
     cold: per scoped leaf (offload mode) a bool scalar, ``inactive_steps >=
       offload_after`` (read by :func:`offload_sparse_state`).
-    errors: with ``on_error="record"``, an int32 array with a row of ``1 + 8``
-      entries per leaf of compact storage (in tree order), all zero until a
-      step's parameter mask fails a check of the leaf's storage; then the leaf's
-      first such failure (its kind: 1 a capacity overflow, 2 a mask not made of
-      whole tiles; then its counts), kept until the state is initialised again
-      and raised by :func:`check_sparse_state`. ``optax.MaskedNode`` with
-      ``on_error="raise"``.
+    errors: an int32 array with a row of ``1 + 8`` entries per leaf of compact
+      storage (in tree order), all zero until a step's parameter mask fails a
+      check of the leaf's storage; then the leaf's first such failure (its kind:
+      1 a capacity overflow, 2 a mask not made of whole tiles, 3 a mask promised
+      unchanged that is not the stored set; then its counts), kept until the
+      state is initialised again and raised by :func:`check_sparse_state`.
     storage: static (no arrays, part of the tree structure): each leaf's storage
       (:class:`magma_optax.sparse.storage.StorageLayout`).
   """
@@ -163,24 +162,26 @@ def sparse_state(
       the least memory (the stored entries' moments plus ``size / 8`` bytes), for
       a slower step (``benchmarks/RESULTS.md``).
     on_error: how a step reports a parameter mask that compact storage cannot
-      hold (a capacity overflow, or a mask not made of whole tiles).
-      ``"raise"`` (default): a ``ValueError`` -- under ``jax.jit`` through a host
-      callback, which JAX reports as a ``JaxRuntimeError`` or a ``ValueError``
-      (the message on its last line), and the step returns nothing; the
+      hold (a capacity overflow, or a mask not made of whole tiles). In both
+      settings a leaf whose mask fails keeps its stored entries or tiles (its
+      mask is replaced by them, and its stored moments take the step there) and
+      gets a zero update, other leaves take their step, and each leaf's first
+      failure is recorded in :attr:`SparseState.errors` for
+      :func:`check_sparse_state` to raise, with the same message, where the loop
+      reads values anyway (as ``optax.apply_if_finite`` skips and counts).
+      ``"raise"`` (default) also raises a ``ValueError`` from the step where that
+      costs no device round trip: outside ``jax.jit``, and under ``jax.jit``
+      lowered for XLA:CPU through a host callback, which JAX reports as a
+      ``JaxRuntimeError`` or a ``ValueError`` (the message on its last line); the
       callback's presence alone makes XLA:CPU run every step synchronously.
-      Inside :func:`periodic_mask` with a constant Python number for
-      ``sparsity`` ranked per leaf, or N:M ``structure``, its masks cannot
+      Lowered for a GPU or a TPU the step holds no callback: the failure is
+      recorded only. Inside :func:`periodic_mask` with a constant Python number
+      for ``sparsity`` ranked per leaf, or N:M ``structure``, its masks cannot
       fail the checks (it promises that of them in the extra argument
       ``mask_promises``), and ``"raise"`` compiles no callback for them.
-      ``"record"``: no callback; a leaf whose mask fails keeps its stored
-      entries or tiles (its mask is replaced by them, and its stored moments
-      take the step there) and gets a zero update; other leaves take their step.
-      Each leaf's first failure is recorded in
-      :attr:`SparseState.errors` for :func:`check_sparse_state` to raise, with
-      the same message, where the loop reads values anyway (as
-      ``optax.apply_if_finite`` skips and counts). Nothing is raised by the
-      step itself, jitted or not. Use it to ``jax.export`` a step: JAX cannot
-      serialize ``"raise"``'s host callback, nor lower it for several platforms.
+      ``"record"``: no callback on any platform. Use it to ``jax.export`` a
+      step: JAX cannot serialize ``"raise"``'s host callback, nor lower it for
+      several platforms.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with a :class:`SparseState`.

@@ -4,8 +4,9 @@
 :func:`magma_optax.sparse_state` and :func:`magma_optax.sparse_adam`. Its update
 runs in phases over a per-leaf record (:class:`_Leaf`): the masks are prepared
 (compact indices, new bits, checks), the stored entries of leaves whose sets
-changed are moved (in one loop of zero or one step), failed checks are reported, the
-base runs on the gathered tree, and the updates are scattered back.
+changed are moved (in one loop of zero or one step, for the whole tree), the base
+runs on the gathered tree, the updates are scattered back, and failed checks are
+recorded in the state (and raised on XLA:CPU with ``on_error="raise"``).
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ class _Leaf:
   mask: Any  # the leaf's bool parameter mask, or None (no mask, or unscoped)
   bits: Any  # the stored set before the step
   whole: bool  # the wrapper promises every mask passes the storage's checks
-  held: bool  # a failed check is handled in the step (record mode, or promised)
+  unchanged: bool = False  # the wrapper promises the previous update's mask
+  stale: Any = None  # an unchanged mask is not the stored set (a broken promise)
   active: Any = None  # whether the mask has an active entry
   ctx: Any = None  # the step's view of the mask (compact indices, N:M slots)
   new_bits: Any = None
@@ -167,8 +169,6 @@ class _Transform:
 
   def no_errors(self, storages, treedef) -> Any:
     del treedef
-    if not self.record:
-      return optax.MaskedNode()
     return _errors.no_records(sum(s.compact for s in storages))
 
   def check_state(self, state: Any, updates: Any) -> None:
@@ -202,7 +202,7 @@ class _Transform:
       f"{self.name}: the state does not fit these gradients ({where}). Do the"
       " gradients have their parameters' shapes? Else the state was not built by"
       " this transform's init: was it built with other storage arguments (mode,"
-      " density, structure, block, shards, where, density_threshold, on_error)?"
+      " density, structure, block, shards, where, density_threshold)?"
       " Use the same ones, or call init again."
     )
 
@@ -227,29 +227,29 @@ class _Transform:
       return _trees.map_like(fn, tree, treedef, *more, shapes=shapes)
 
     leaves = self.leaves(storages, treedef, updates, state, param_mask, mask_promises)
-    checked = _prepare(leaves)
+    _prepare(leaves)
+    _hold(leaves)
     per_entry(lambda i, x: leaves[i].entries.append(x), state.base_state)
     if any(leaf.changed is not None for leaf in leaves):
       self.fresh_values(leaves, treedef, per_entry)
-    checked += _refresh(leaves)
+    _refresh(leaves)
+    errors = self.recorded(leaves, state.errors)
     queues = [iter(leaf.entries) for leaf in leaves]
     base_state = per_entry(lambda i, x: next(queues[i]), state.base_state)
-    _report([i for i in checked if not leaves[i].held], leaves)
     flat_p = None if params is None else treedef.flatten_up_to(params)
     out, new_state = self.run_base(
       leaves, treedef, base_state, flat_p, per_entry, extra_args
     )
     return treedef.unflatten(out), self.new_state(
-      leaves, treedef, state, new_state, storages
+      leaves, treedef, state, new_state, storages, errors
     )
 
   def leaves(self, storages, treedef, updates, state, param_mask, promises):
     """The step's per-leaf records: the masks checked against their leaves, and
-    per leaf whether its checks are handled in the step, as ``on_error="record"``
-    does (a mask that fails leaves the leaf as it was): every leaf when recording;
-    else those whose masks the wrapper promises cannot fail (the promise may only
-    be broken by a state edited by hand), so that the step compiles no host
-    callback for them."""
+    per leaf what the wrapper promises (:class:`magma_optax._core.mask_bounds.
+    MaskPromises`): that its masks cannot fail (``whole``; no host callback is
+    compiled for those), and that the mask is the previous update's
+    (``unchanged``; the stored set then stays, and the step moves nothing)."""
     flat_g = treedef.flatten_up_to(updates)
     if param_mask is None:
       masks = raw = [None] * len(storages)
@@ -267,11 +267,12 @@ class _Transform:
         if s.needs_mask:
           raise ValueError(s.no_mask_problem(i))
         m = None
-      bound = None
+      bound, unchanged = None, False
       if promises is not None and m is not None:
         bound = promises.bound_of(r)
+        unchanged = promises.is_unchanged(r)
       whole = bound is not None and s.bound_suffices(bound)
-      leaf = _Leaf(s, g, m, b, whole, self.record or whole)
+      leaf = _Leaf(s, g, m, b, whole, unchanged)
       leaf.active = None if m is None else jnp.any(m)
       out.append(leaf)
     return out
@@ -328,11 +329,17 @@ class _Transform:
         old_state,
         *(() if not done else (index,)),
       )
-    # A leaf whose mask failed (where the step handles it) gets no update.
+    # A stale leaf keeps its state (its ctx may be the mask's, not the stored
+    # set's); a leaf whose mask failed keeps its stored set and gets no update.
+    new_state = per_entry(
+      lambda i, new, old: (
+        new if leaves[i].stale is None else jnp.where(leaves[i].stale, old, new)
+      ),
+      new_state,
+      old_state,
+    )
     base_updates = [
-      u
-      if leaf.bad is None or not leaf.held
-      else jnp.where(leaf.bad, jnp.zeros_like(u), u)
+      u if leaf.bad is None else jnp.where(leaf.bad, jnp.zeros_like(u), u)
       for u, leaf in zip(base_updates, leaves, strict=True)
     ]
     new_state = per_entry(
@@ -349,7 +356,21 @@ class _Transform:
     )
     return out, new_state
 
-  def new_state(self, leaves, treedef, state, base_state, storages) -> Any:
+  def recorded(self, leaves, errors) -> Any:
+    """The records after the step's checks (:func:`errors.recorded`), raised
+    where the step can with ``on_error="raise"``: eagerly (before the base runs),
+    or from a host callback lowered for XLA:CPU; the failures of masks that were
+    not promised to pass."""
+    compact = [leaf for leaf in leaves if leaf.storage.compact]
+    errors = _errors.recorded(errors, [leaf.check for leaf in compact])
+    if self.record:
+      return errors
+    raised = [k for k, leaf in enumerate(compact) if not leaf.whole]
+    storages = [leaf.storage for leaf in compact]
+    zero = _errors.raise_recorded(errors, raised, storages)
+    return errors if zero is None else errors + zero
+
+  def new_state(self, leaves, treedef, state, base_state, storages, errors) -> Any:
     steps = treedef.flatten_up_to(state.inactive_steps)
     new_steps = [
       s
@@ -361,10 +382,6 @@ class _Transform:
       )
       for s, leaf in zip(steps, leaves, strict=True)
     ]
-    errors = state.errors
-    if self.record:
-      checks = [leaf.check for leaf in leaves if leaf.storage.compact]
-      errors = _errors.recorded(errors, checks)
     return self.state_type(
       base_state=base_state,
       stored_bits=treedef.unflatten([leaf.new_bits for leaf in leaves]),
@@ -388,9 +405,10 @@ def _layout(treedef: Any, storages: list[_storage.Storage]) -> Any:
 # --- phases -----------------------------------------------------------------------
 
 
-def _prepare(leaves: list[_Leaf]) -> list[int]:
+def _prepare(leaves: list[_Leaf]) -> None:
   """Each leaf's ``prepare``: its ``ctx``, new bits, whether its set changed and its
-  check (leaves of one ``batch_key`` together). Returns the leaves checked.
+  check (leaves of one ``batch_key`` together). A mask that fails a check leaves
+  the stored set as it was.
 
   A promised mask is made of whole tiles: their first entries are read, not every
   entry."""
@@ -400,17 +418,27 @@ def _prepare(leaves: list[_Leaf]) -> list[int]:
     lambda leaf: (leaf.mask, leaf.bits, leaf.grad, leaf.whole),
     None,
     lambda leaf: leaf.mask is not None,
-    same=lambda leaf: leaf.held,
+    same=lambda leaf: True,
   )
-  checked = []
-  for i, (leaf, (ctx, new_bits, changed, check, *stack)) in enumerate(
-    zip(leaves, prepared, strict=True)
+  for leaf, (ctx, new_bits, changed, check, *stack) in zip(
+    leaves, prepared, strict=True
   ):
     leaf.ctx, leaf.new_bits, leaf.changed, leaf.check = ctx, new_bits, changed, check
     leaf.stacked = stack[0] if stack else None
-    if check is not None:
-      checked.append(i)
-  return checked
+
+
+def _hold(leaves: list[_Leaf]) -> None:
+  """Leaves whose mask is promised unchanged keep their stored set: no loop moves
+  it (on a device, a loop's predicate is a host round trip in every step). A
+  mask that is not the stored set all the same (the promise broken: a wrapper in
+  between skipped an update, or a state edited by hand) is a :data:`STALE
+  <magma_optax.sparse.storage.STALE>` failure: the leaf keeps its state and takes
+  no update."""
+  for leaf in leaves:
+    if leaf.unchanged and leaf.changed is not None:
+      leaf.stale = jnp.asarray(leaf.changed)
+      leaf.changed, leaf.new_bits = None, leaf.bits
+      leaf.check = _storage.with_stale(leaf.check, leaf.stale)
 
 
 def _by_batch(method, leaves, args_of, more, batched, same=None):
@@ -451,11 +479,11 @@ def _by_batch(method, leaves, args_of, more, batched, same=None):
   return out
 
 
-def _refresh(leaves: list[_Leaf]) -> list[int]:
+def _refresh(leaves: list[_Leaf]) -> None:
   """Moves the stored entries of every leaf whose stored set changed to their new
   slots, in one loop of zero or one step (it rewrites the state in place; a
   ``lax.cond`` would copy it on every step); the cached ``ctx`` of a leaf that
-  caches it is rebuilt first. Returns the leaves checked by a rebuild."""
+  caches it is rebuilt first."""
   loops = [_leaf_loop(i, leaf) for i, leaf in enumerate(leaves)]
   groups = _remap_groups(leaves)
   grouped = {i for idx in groups for i in idx}
@@ -491,7 +519,6 @@ def _refresh(leaves: list[_Leaf]) -> list[int]:
     )
   else:
     carries = refresh_each(carries)
-  checked = []
   for (i, _, _), carry in zip(loops, carries, strict=True):
     if isinstance(i, tuple):  # a group: its leaves' entries (none rebuilds)
       for j, e in zip(i, carry, strict=True):
@@ -500,10 +527,8 @@ def _refresh(leaves: list[_Leaf]) -> list[int]:
     leaf = leaves[i]
     leaf.ctx, n, leaf.entries, packed = carry
     if leaf.storage.rebuilds:
-      leaf.new_bits = (leaf.new_bits[0] if packed is None else packed, leaf.ctx)
+      leaf.new_bits = (packed, leaf.ctx)
       leaf.check = leaf.storage.rebuilt_check(n)
-      checked.append(i)
-  return checked
 
 
 def _remapped(leaf: _Leaf, now, xs, old_bits) -> list:
@@ -534,17 +559,14 @@ def _leaf_loop(i: int, leaf: _Leaf):
     old, n, xs, packed = carry
     if not s.rebuilds:
       return old, n, _remapped(leaf, leaf.ctx, xs, bits), packed
-    if not leaf.held:
-      now, n = s.rebuild(leaf.mask)
-    else:
-      # A mask that does not fit leaves the stored entries and their bits as
-      # they were (the remap then moves every entry to its own slot).
-      now, n = s.rebuild(leaf.mask, bits[0])
-      packed = jnp.where(s.rebuilt_check(n).bad, packed, leaf.new_bits[0])
+    # A mask that does not fit leaves the stored entries and their bits as they
+    # were (the remap then moves every entry to its own slot).
+    now, n = s.rebuild(leaf.mask, bits[0])
+    packed = jnp.where(s.rebuilt_check(n).bad, packed, leaf.new_bits[0])
     return now, n, _remapped(leaf, now, xs, (bits[0], old)), packed
 
   # Unchanged: the cached ctx (its count was checked when it was built).
-  packed = bits[0] if leaf.held and s.rebuilds else None
+  packed = bits[0] if s.rebuilds else None
   return i, refresh, (leaf.ctx, jnp.zeros([], jnp.int32), leaf.entries, packed)
 
 
@@ -629,19 +651,6 @@ def _group_refresh(leaves, idx, stacks):
 
 # The fields of a stack of leaves prepared apart (storage.Stacked's).
 _STACKED = ("ctx", "bits", "changed")
-
-
-def _report(raised: list[int], leaves: list[_Leaf]) -> None:
-  """Raises the failed checks that the step does not handle (:func:`errors.
-  raise_any`); under ``jax.jit`` its zero is folded into the first such leaf's
-  bits, which keeps the host callback in the compiled step (an exact + 0)."""
-  zero = _errors.raise_any([leaves[i].check for i in raised])
-  if zero is None:
-    return
-  leaf = leaves[raised[0]]
-  flat, bits_def = jax.tree.flatten(leaf.new_bits)  # on the smallest: 1 bit/item
-  flat[0] = flat[0] + zero.astype(flat[0].dtype)
-  leaf.new_bits = bits_def.unflatten(flat)
 
 
 def _frozen_in_step(run_step, leaves, freezable, old_state, per_entry, flat_p, extra):

@@ -28,6 +28,7 @@ from magma_optax.kernels.tiles import api as tiles
 # Kinds of a failed check of a parameter mask (recorded per leaf, see errors.py).
 OVERFLOW = 1  # more active entries, groups or tiles than the capacity
 UNTILED = 2  # a mask not made of whole tiles
+STALE = 3  # promised unchanged, but not the stored set (see MaskPromises.unchanged)
 
 
 class Check(NamedTuple):
@@ -38,6 +39,14 @@ class Check(NamedTuple):
   describe: Any  # (*int) -> str
   values: tuple[jax.Array, ...]
   kind: Any = OVERFLOW
+
+
+def with_stale(check: Check | None, stale: jax.Array) -> Check:
+  """``check``, failing also where ``stale`` (kind :data:`STALE`)."""
+  if check is None:
+    return Check(stale, None, (), STALE)
+  kind = jnp.where(stale, STALE, jnp.asarray(check.kind, jnp.int32))
+  return Check(jnp.asarray(check.bad) | stale, check.describe, check.values, kind)
 
 
 def check_capacity(active: jax.Array, limit: int, describe) -> Check:
@@ -195,6 +204,21 @@ class Storage:
   def failure_message(self, *values: int) -> str:
     """The message of a failed check with these counts (:class:`Check`)."""
     raise NotImplementedError
+
+  def message(self, kind: int, *values: int) -> str:
+    """The message of a failed :class:`Check` of this ``kind`` with these counts."""
+    if kind == STALE:
+      return (
+        f"sparse_state: the parameter mask of leaf {self.name} is not the set its"
+        " compact storage holds, although the wrapper that makes the masks"
+        " (periodic_mask) promised it unchanged since the previous update. A"
+        " wrapper between them skipped an update (optax.apply_if_finite or"
+        " optax.MultiSteps inside periodic_mask: put it outside), periodic_mask was"
+        " called with refresh=False where its schedule refreshes (its first refresh"
+        " included), or the state was edited by hand. The leaf kept its stored set"
+        " and state and took no update."
+      )
+    return self.failure_message(*values)
 
   def no_mask_problem(self, i: int) -> str:
     return (
