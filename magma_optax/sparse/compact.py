@@ -73,7 +73,12 @@ class Compact(_storage.Storage):
     flat = mask.reshape(-1)
     if not self.cache_index:
       if record:  # a mask that does not fit: the stored entries instead
-        idx, n_active, flat = _indices.active_or_stored(flat, bits, self.capacity)
+        idx, n_active, flat = _storage.held(
+          record,
+          lambda f: _indices.active_or_stored(f, bits, self.capacity),
+          lambda f: (*_indices.active_indices(f, self.capacity), f),
+          flat,
+        )
       else:
         idx, n_active = _indices.active_indices(flat, self.capacity)
       check = _storage.check_capacity(n_active, self.capacity, self.failure_message)

@@ -207,7 +207,9 @@ class Grouped(_storage.Storage):
       jnp.max(g.per_group(mask)), g.n, self.failure_message
     )
     if record:  # a mask that does not fit: the stored entries instead
-      mask = jnp.where(check.bad, g.unpack(bits), mask)
+      mask = _storage.held(
+        record, lambda m: jnp.where(check.bad, g.unpack(bits), m), lambda m: m, mask
+      )
     slots = g.slots(mask)
     new_bits = g.pack(mask)
     return slots, new_bits, jnp.any(new_bits != bits), check

@@ -103,6 +103,7 @@ class _Leaf:
   mask: Any  # the leaf's bool parameter mask, or None (no mask, or unscoped)
   bits: Any  # the stored set before the step
   whole: bool  # the wrapper promises every mask passes the storage's checks
+  held: Any  # where a failing mask leaves the stored set (storage.held's record)
   unchanged: bool = False  # the wrapper promises the previous update's mask
   stale: Any = None  # an unchanged mask is not the stored set (a broken promise)
   active: Any = None  # whether the mask has an active entry
@@ -272,7 +273,8 @@ class _Transform:
         bound = promises.bound_of(r)
         unchanged = promises.is_unchanged(r)
       whole = bound is not None and s.bound_suffices(bound)
-      leaf = _Leaf(s, g, m, b, whole, unchanged)
+      held = True if self.record or whole else "device"
+      leaf = _Leaf(s, g, m, b, whole, held, unchanged)
       leaf.active = None if m is None else jnp.any(m)
       out.append(leaf)
     return out
@@ -418,7 +420,7 @@ def _prepare(leaves: list[_Leaf]) -> None:
     lambda leaf: (leaf.mask, leaf.bits, leaf.grad, leaf.whole),
     None,
     lambda leaf: leaf.mask is not None,
-    same=lambda leaf: True,
+    same=lambda leaf: leaf.held,
   )
   for leaf, (ctx, new_bits, changed, check, *stack) in zip(
     leaves, prepared, strict=True

@@ -21,6 +21,7 @@ import optax
 
 from magma_optax._core import blocks as _blocks
 from magma_optax._core import mask_bounds as _mask_bounds
+from magma_optax._core import shard_map as _shard_map
 from magma_optax._core import sharded as _sharded
 from magma_optax.kernels import reference
 from magma_optax.kernels.tiles import api as tiles
@@ -47,6 +48,17 @@ def with_stale(check: Check | None, stale: jax.Array) -> Check:
     return Check(stale, None, (), STALE)
   kind = jnp.where(stale, STALE, jnp.asarray(check.kind, jnp.int32))
   return Check(jnp.asarray(check.bad) | stale, check.describe, check.values, kind)
+
+
+def held(record: Any, handled: Any, plain: Any, *operands: Any) -> Any:
+  """``handled(*operands)`` (a mask that fails a check leaves the stored set)
+  where the step handles failures, else ``plain(*operands)``. ``record``: ``True``
+  (always), ``False``, or ``"device"`` (``on_error="raise"``): where the step is
+  lowered for a GPU or a TPU; on XLA:CPU its host callback raises instead, the
+  step returns nothing, and the full-size selection would only cost time."""
+  if record == "device":
+    return _shard_map.platform_dependent(*operands, cpu=plain, default=handled)
+  return (handled if record else plain)(*operands)
 
 
 def check_capacity(active: jax.Array, limit: int, describe) -> Check:

@@ -187,3 +187,38 @@ def test_refresh_must_be_a_python_bool():
   state = tx.init(PARAMS)
   with pytest.raises(ValueError, match="refresh must be None .* or a Python bool"):
     jax.jit(lambda s, r: tx.update(PARAMS, s, PARAMS, refresh=r))(state, True)
+
+
+@pytest.mark.parametrize(
+  "kw, bad",
+  [
+    (dict(mode="compact", density=0.25, cache_index=False), jnp.arange(32) < 9),
+    (dict(mode="compact", structure=(2, 4)), jnp.arange(32) % 4 < 3),
+  ],
+)
+def test_on_a_device_raise_mode_keeps_what_record_mode_keeps(kw, bad, monkeypatch):
+  # Lowered for a GPU, on_error="raise" compiles no callback: a failing mask must
+  # leave the stored set exactly as "record" does on XLA:CPU (the reference).
+  p = {"w": jnp.linspace(-1.0, 1.0, 32)}
+  good = {"w": jnp.arange(32) % 4 < 2}
+  recording, raising = ss(on_error="record", **kw), ss(**kw)
+
+  def two_steps(tx):
+    step = jax.jit(lambda s, m: tx.update(p, s, p, param_mask=m))
+    _, state = step(tx.init(p), good)
+    return step(state, {"w": bad})
+
+  want = two_steps(recording)
+  monkeypatch.setattr(
+    jax.lax, "platform_dependent", lambda *ops, default, **_: default(*ops)
+  )
+  got = two_steps(raising)
+  monkeypatch.undo()
+  np.testing.assert_array_equal(np.asarray(got[0]["w"]), 0.0)
+  for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(ValueError, match="overflow"):
+    magma.check_sparse_state(got[1])
+  # Control: on XLA:CPU the same step raises.
+  with pytest.raises((ValueError, jax.errors.JaxRuntimeError), match="overflow"):
+    jax.block_until_ready(two_steps(raising))
