@@ -1,4 +1,5 @@
-"""The optimized HLO of a donated step, for tests that check what XLA copies."""
+"""What XLA makes of a step: the optimized HLO of a donated step (what XLA copies),
+and the program lowered for a device that is not attached (its control flow)."""
 
 from __future__ import annotations
 
@@ -40,3 +41,161 @@ def fusions_computing(fn, args, pattern: str, inner: str) -> list[str]:
   entry = entry[: entry.index("\n}")]
   found = re.findall(rf"(?:{pattern})\S* fusion\(.*?calls=(%[\w.\-]+)", entry)
   return [c for c in found if re.search(rf" {inner}\(", bodies.get(c, ""))]
+
+
+_SSA = r"%[A-Za-z0-9_.$-]+"
+
+
+def _uses(expr: str) -> list[str]:
+  """The SSA values ``expr`` reads (``%x#3`` read as ``%x``)."""
+  return re.findall(_SSA, expr)
+
+
+def _defined(lhs: str) -> list[str]:
+  """The SSA values a left-hand side ``%a, %b`` or ``%x:3`` defines."""
+  return [re.sub(r":\d+$", "", n.strip()) for n in lhs.split(",")]
+
+
+def _depth_change(line: str) -> int:
+  # Attribute dictionaries ({jax.result_info = ...}) open and close on one line.
+  return line.count("{") - line.count("}")
+
+
+def data_dependent_control_flow(text: str) -> dict[str, int]:
+  """Counts of the data-dependent ``while``, ``case`` and ``if`` ops of a
+  StableHLO module (``jax.jit(f).trace(...).lower(...).as_text()``).
+
+  What XLA:GPU (and TPU) runs by reading a predicate back to the host. Not
+  counted: a ``case``/``if`` whose index is computed from constants alone (what
+  ``jax.lax.platform_dependent`` emits; XLA folds it), and a ``while`` with a
+  known trip count -- its ``cond`` compares a counter that starts at a constant
+  and grows by a constant (``lax.fori_loop``) with a constant. A value is data
+  where it is computed (transitively) from a function argument (every function's,
+  conservatively: a private function's arguments count as data), a loop's carry,
+  or a region that reads data.
+  """
+  counts = {"while": 0, "case": 0, "if": 0}
+  data: set[str] = set()
+  # Open ops with regions: [defined names, depth before, reads data, while info].
+  stack: list[list] = []
+  depth = 0
+  lines = text.splitlines()
+  for n, line in enumerate(lines):
+    head = re.match(r"\s*func\.func .*?@[\w.$-]+\((.*)", line)
+    if head:
+      for arg, attrs in re.findall(r"(%arg\d+): [^,{)]+(\{[^}]*\})?", head.group(1)):
+        if "jax.global_constant" not in attrs:
+          data.add(arg)
+      depth += _depth_change(line)
+      continue
+    m = re.match(rf"\s*((?:{_SSA}(?::\d+)?)(?:, {_SSA}(?::\d+)?)*) = (.*)", line)
+    names, rhs = (_defined(m.group(1)), m.group(2)) if m else ([], line)
+    reads = any(u in data for u in _uses(rhs))
+    if reads:
+      for op in stack:
+        op[2] = True
+    opens_while = bool(m) and rhs.startswith("stablehlo.while(")
+    if opens_while:
+      inits = re.findall(rf"({_SSA}) = ({_SSA})", rhs)
+      data.update(a for a, _ in inits)  # carries are data inside the loop
+      info = {"inits": dict(inits), "known": _known_trip_count(lines, n, data)}
+      stack.append([names, depth, reads, info])
+      depth += _depth_change(line)
+      continue
+    if m and ("stablehlo.case" in rhs or rhs.startswith("stablehlo.if")):
+      index = _uses(rhs)[0]
+      if index in data:
+        counts["case" if "case" in rhs else "if"] += 1
+    before = depth
+    depth += _depth_change(line)
+    if m and depth > before:  # an op with regions opens here
+      stack.append([names, before, reads, None])
+      continue
+    if reads:
+      data.update(names)
+    while (
+      stack and depth <= stack[-1][1] and (stack[-1][3] is None or line.strip() == "}")
+    ):
+      op_names, _, op_reads, info = stack.pop()
+      if info is not None and not info["known"]:
+        counts["while"] += 1
+      if op_reads:
+        data.update(op_names)
+        if stack:
+          stack[-1][2] = True
+  return counts
+
+
+def _known_trip_count(lines: list[str], start: int, data: set[str]) -> bool:
+  """Whether the ``while`` opened at ``lines[start]`` is a counted loop: its
+  ``cond`` compares a counter with a constant, the counter starts at a value that
+  is no data (``data``: the values computed from data so far) and its body adds
+  a constant to it. (A constant may come through ops of constants alone, such as
+  sharding constraints.)"""
+  inits = dict(re.findall(rf"({_SSA}) = ({_SSA})", lines[start]))
+  order = list(inits)
+
+  def region(i):
+    """The lines of the region that opens after ``lines[i]``, and its end."""
+    body, depth = [], 1
+    i += 1
+    while True:
+      depth += _depth_change(lines[i])
+      # Its own `} do {` only: a loop nested in the region has one too.
+      if depth == 0 or (depth == 1 and lines[i].strip() == "} do {"):
+        return body, i
+      body.append(lines[i])
+      i += 1
+
+  def constants(body):
+    """The values of ``body`` computed from constants alone."""
+    found = set()
+    for ln in body:
+      m = re.match(rf"\s*({_SSA}) = (.*)", ln)
+      if m and all(u in found for u in _uses(m.group(2))):
+        found.add(m.group(1))
+    return found
+
+  def aliases(body):
+    """Per value of ``body`` that only constrains another's sharding, that one."""
+    found = {}
+    for ln in body:
+      m = re.match(rf"\s*({_SSA}) = sdy\.sharding_constraint ({_SSA})", ln)
+      if m:
+        found[m.group(1)] = found.get(m.group(2), m.group(2))
+    return found
+
+  assert lines[start + 1].strip() == "cond {", lines[start + 1]
+  cond, end = region(start + 1)
+  known = constants(cond)
+  alias = aliases(cond)
+  defs = {
+    m.group(1): m.group(2)
+    for m in (re.match(rf"\s*({_SSA}) = (.*)", ln) for ln in cond)
+    if m
+  }
+  ret = re.match(rf"\s*stablehlo\.return ({_SSA})", cond[-1])
+  compare = defs.get(ret.group(1), "") if ret else ""
+  if not compare.startswith("stablehlo.compare"):
+    return False
+  x, y = (alias.get(u, u) for u in _uses(compare)[:2])
+  counter = x if y in known else y if x in known else None
+  if counter not in inits or inits[counter] in data:
+    return False
+  body, _ = region(end)
+  known, alias = constants(body), aliases(body)
+  step = _uses(body[-1].split("stablehlo.return", 1)[1])[order.index(counter)]
+  step = alias.get(step, step)
+  for ln in body:
+    m = re.match(rf"\s*{re.escape(step)} = stablehlo\.add (.*)", ln)
+    if m:
+      a, b = (alias.get(u, u) for u in _uses(m.group(1))[:2])
+      return counter in (a, b) and (a in known or b in known)
+  return False
+
+
+def lowered(fn, *args, platform: str = "cuda") -> str:
+  """The StableHLO text of ``jax.jit(fn)`` on ``args``, lowered for ``platform``
+  (no such device need be attached)."""
+  traced = jax.jit(fn).trace(*args)
+  return traced.lower(lowering_platforms=(platform,)).as_text()

@@ -10,11 +10,24 @@ from algorithm1 import join_shard_parts
 from algorithm1 import shard_parts
 
 import magma_optax as magma
+from magma_optax.pruning import periodic as _periodic
 
 # Repeated shapes: leaves of one shape are ranked by one computation over their stack.
 SHAPES = [(1,), (5,), (4, 5), (2, 9, 1), (2, 2, 4, 4), (4, 5), (5,), (4, 5)]
 # One sparsity per step, so a single compiled step covers all of them.
 TARGETS = np.array([0.0, 0.3, 0.5, 0.9, 0.25, 0.75, 0.1, 0.6], np.float32)
+
+
+@pytest.fixture(scope="module", autouse=True, params=["cpu", "device"])
+def refresh_form(request):
+  """Every test here runs on both forms of the refresh: XLA:CPU's, and the device
+  form (what a GPU or TPU compiles), forced on this CPU."""
+  with pytest.MonkeyPatch.context() as patch:
+    if request.param == "device":
+      patch.setattr(
+        _periodic, "_per_backend", lambda refresh, *ops: refresh(*ops, device=True)
+      )
+    yield request.param
 
 
 def np_keep(score, active, sparsity):
