@@ -21,6 +21,12 @@ Usage::
     python3 benchmarks/step_overhead.py                  # 1 M and 25 M, 15 rounds
     python3 benchmarks/step_overhead.py --sizes 1e6 --rounds 5 --leaves 8
     python3 benchmarks/step_overhead.py --sizes transformer   # 144 leaves
+    python3 benchmarks/step_overhead.py --baseline /tmp/old   # old vs new, interleaved
+
+``--baseline DIR`` also times the masked candidates of the package in ``DIR`` (a
+checkout or ``git archive`` of another commit; its ``magma_optax`` is imported under
+another name), in the same rounds, marked ``(base)``: a change's cost on the CPU
+without the drift between two runs of a shared machine.
 """
 
 from __future__ import annotations
@@ -101,24 +107,48 @@ def copy_step(params, state, grads):
   return jax.tree.map(lambda p: p + 1.0, params), state
 
 
-def candidates(lr: float, implementations: list[str]):
-  out = {
-    "optax.adam": optax.adam(lr),
-    "magma(adam)": magma.magma(optax.adam(lr), key=0),
-    "skip_update(adam)": magma.skip_update(optax.adam(lr), key=0),
-  }
-  for impl in implementations:
-    out[f"adam_magma[{impl}]"] = magma.adam_magma(lr, key=0, implementation=impl)
+def candidates(lr: float, implementations: list[str], baseline=None):
+  out = {"optax.adam": optax.adam(lr)}
+  for package, mark in [(magma, "")] + ([(baseline, " (base)")] if baseline else []):
+    out[f"magma(adam){mark}"] = package.magma(optax.adam(lr), key=0)
+    out[f"skip_update(adam){mark}"] = package.skip_update(optax.adam(lr), key=0)
+    for impl in implementations:
+      out[f"adam_magma[{impl}]{mark}"] = package.adam_magma(
+        lr, key=0, implementation=impl
+      )
   return out
 
 
-def run(num_params, num_leaves: int, rounds: int, implementations: list[str]):
+def import_baseline(folder: str):
+  """The ``magma_optax`` package in ``folder``, imported beside this one: its
+  modules are moved to other names in ``sys.modules`` once loaded (they keep
+  their references to each other)."""
+  import sys
+
+  ours = {k: v for k, v in sys.modules.items() if k.split(".")[0] == "magma_optax"}
+  for k in ours:
+    del sys.modules[k]
+  sys.path.insert(0, folder)
+  try:
+    import magma_optax as base  # noqa: PLC0415
+  finally:
+    sys.path.remove(folder)
+    theirs = [k for k in sys.modules if k.split(".")[0] == "magma_optax"]
+    for k in theirs:
+      sys.modules["baseline_" + k] = sys.modules.pop(k)
+    sys.modules.update(ours)
+  return base
+
+
+def run(
+  num_params, num_leaves: int, rounds: int, implementations: list[str], baseline=None
+):
   if num_params == "transformer":
     params, grads = make_transformer_params()
   else:
     params, grads = make_params(num_params, num_leaves)
   n = sum(x.size for x in jax.tree.leaves(params))
-  txs = candidates(1e-3, implementations)
+  txs = candidates(1e-3, implementations, baseline)
   steps = {name: optimizer_step(tx) for name, tx in txs.items()}
   steps["copy p+1 (donated)"] = copy_step
   carry = {}
@@ -167,7 +197,13 @@ def main():
     default=None,
     help="adam_magma implementations (default: xla, plus pallas on GPU)",
   )
+  parser.add_argument(
+    "--baseline",
+    default=None,
+    help="a folder with another commit's magma_optax to time beside this one",
+  )
   args = parser.parse_args()
+  baseline = import_baseline(args.baseline) if args.baseline else None
   if args.implementations is None:
     impls = ["xla"] + (["pallas"] if jax.default_backend() == "gpu" else [])
   else:
@@ -180,7 +216,7 @@ def main():
   )
   for size in args.sizes.split(","):
     tree = size if size == "transformer" else int(float(size))
-    n, rows = run(tree, args.leaves, args.rounds, impls)
+    n, rows = run(tree, args.leaves, args.rounds, impls, baseline)
     if size == "transformer":
       print(f"\n## transformer tree: 144 leaves, {n / 1e6:.1f} M params")
     else:

@@ -1,11 +1,16 @@
 """What XLA makes of a step: the optimized HLO of a donated step (what XLA copies),
-and the program lowered for a device that is not attached (its control flow)."""
+and the program lowered for a device that is not attached (its control flow and
+kernel calls)."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import jax
+import pytest
+
+from magma_optax._core import compat as _compat
 
 
 def entry_ops(fn, args, pattern: str, op: str = "copy") -> list[str]:
@@ -194,8 +199,41 @@ def _known_trip_count(lines: list[str], start: int, data: set[str]) -> bool:
   return False
 
 
+def abstract_gpu():
+  """A context in which jax lowers for an H100 though none is attached.
+
+  jax >= 0.11 asks Pallas' Triton lowering for the target GPU (a real one, or an
+  abstract device on an abstract mesh); older versions lower without asking.
+  """
+  if not _compat.TRITON_DEPRECATED:
+    return contextlib.nullcontext()
+  if not hasattr(jax.sharding, "AbstractDevice"):
+    pytest.skip(f"jax {jax.__version__} has no jax.sharding.AbstractDevice")
+  device = jax.sharding.AbstractDevice(
+    device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"
+  )
+  mesh = jax.sharding.AbstractMesh(
+    (1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=device
+  )
+  return jax.sharding.use_abstract_mesh(mesh)
+
+
 def lowered(fn, *args, platform: str = "cuda") -> str:
   """The StableHLO text of ``jax.jit(fn)`` on ``args``, lowered for ``platform``
-  (no such device need be attached)."""
-  traced = jax.jit(fn).trace(*args)
-  return traced.lower(lowering_platforms=(platform,)).as_text()
+  (``"cuda"`` under :func:`abstract_gpu`, as Pallas' Triton lowering needs)."""
+  context = abstract_gpu() if platform == "cuda" else contextlib.nullcontext()
+  with context:
+    traced = jax.jit(fn).trace(*args)
+    return traced.lower(lowering_platforms=(platform,)).as_text()
+
+
+def pallas_calls(text: str) -> int:
+  """The Pallas kernel calls of a lowered program: Triton (``xla.gpu.triton``),
+  Mosaic GPU (``mosaic_gpu``) and Mosaic TPU (``tpu_custom_call``) custom calls."""
+  return len(
+    re.findall(
+      r"stablehlo\.custom_call @(?:__gpu\$xla\.gpu\.triton|mosaic_gpu\w*|"
+      r"tpu_custom_call)\b",
+      text,
+    )
+  )

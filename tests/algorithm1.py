@@ -133,6 +133,7 @@ def magma_run(
 
   ``momentum_key`` names the base state's first moment (``None``: the wrapper's own
   EMA of the gradient with ``momentum_decay``). ``masks_seq[t]`` is z_t per block.
+  ``tau`` may be a function of the step ``t`` (from 0).
   With ``rescale`` set, runs SkipUpdate instead (z / p, no scores).
   """
   p = np.array(params, np.float64)
@@ -141,10 +142,11 @@ def magma_run(
   own = np.zeros_like(p)
   s = np.full(n, init_score)
   traj = []
-  for g, z in zip(grads_seq, masks_seq, strict=True):
+  for t, (g, z) in enumerate(zip(grads_seq, masks_seq, strict=True)):
     g = np.asarray(g, np.float64)
     z = np.asarray(z, np.float64).ravel()
     delta, state = base.update(g, state)
+    tau_t = tau(t) if callable(tau) else tau
     if rescale is not None:
       scale = z / keep_prob if rescale else z
     else:
@@ -154,7 +156,7 @@ def magma_run(
       else:
         mu = state[momentum_key]
       c = block_cosine(mu, g, ids, n)
-      s = score_decay * s + (1 - score_decay) * sigmoid(c / tau)
+      s = score_decay * s + (1 - score_decay) * sigmoid(c / tau_t)
       scale = s * z
     p = p + scale[ids] * delta
     traj.append(p.copy())

@@ -107,22 +107,22 @@ def pallas_tpu():
 def has_mosaic_gpu() -> bool:
   """Whether this jax has Mosaic GPU's public Pallas API and its interpreter.
 
-  ``plgpu.InterpretGPUParams`` became public in jax 0.12; older lines (0.10.x)
-  keep only the Triton backend usable from this package.
+  The API the kernels use and ``plgpu.InterpretGPUParams`` are public in jax
+  0.11.2 and 0.12; 0.10.x keeps only the Triton backend usable from this package.
   """
   try:
     from jax.experimental.pallas import mosaic_gpu as plgpu
   except ImportError:  # a jaxlib built without it
     return False
-  return JAX_VERSION >= (0, 12) and hasattr(plgpu, "InterpretGPUParams")
+  return JAX_VERSION >= (0, 11, 2) and hasattr(plgpu, "InterpretGPUParams")
 
 
 @functools.cache
 def pallas_mosaic_gpu():
-  """``jax.experimental.pallas.mosaic_gpu`` (jax >= 0.12: :func:`has_mosaic_gpu`)."""
+  """``jax.experimental.pallas.mosaic_gpu`` (jax >= 0.11.2: :func:`has_mosaic_gpu`)."""
   if not has_mosaic_gpu():
     raise ValueError(
-      "the Mosaic GPU kernel and its interpreter (interpret='gpu') need jax >= 0.12"
+      "the Mosaic GPU kernel and its interpreter (interpret='gpu') need jax >= 0.11.2"
       f" (jax.experimental.pallas.mosaic_gpu.InterpretGPUParams); jax {jax.__version__}"
       " is installed. Use interpret='tpu' or True, or upgrade jax."
     )
@@ -131,8 +131,63 @@ def pallas_mosaic_gpu():
   return plgpu
 
 
+@functools.cache
+def pallas_triton():
+  """``jax.experimental.pallas.triton`` (Triton's masked loads and stores)."""
+  from jax.experimental.pallas import triton as plt
+
+  return plt
+
+
 def triton_compiler_params(num_warps: int) -> Any:
   """Compiler params of the Pallas Triton backend (needs a GPU-enabled jaxlib)."""
   from jax.experimental.pallas import triton as plgpu
 
   return plgpu.CompilerParams(num_warps=num_warps)
+
+
+@functools.cache
+def _unavailable_p() -> Any:
+  """The primitive of :func:`unavailable`: the identity for every transformation,
+  but its lowering and its eager evaluation raise ``ValueError(message)``. Linear
+  (its tangents and cotangents go through it too, so no derivative skips the
+  error) and batched as the identity."""
+  from jax.interpreters import ad
+  from jax.interpreters import batching
+  from jax.interpreters import mlir
+
+  p = jax.extend.core.Primitive("magma_optax_unavailable")
+  p.multiple_results = True
+  p.def_abstract_eval(lambda *avals, message: avals)
+
+  def fail(*args, message):
+    del args
+    raise ValueError(message)
+
+  p.def_impl(fail)  # run eagerly (platform_dependent picks its branch at once)
+
+  def jvp(primals, tangents, message):
+    tangents = [ad.instantiate_zeros(t) for t in tangents]
+    return p.bind(*primals, message=message), p.bind(*tangents, message=message)
+
+  def transpose(cts, *args, message):
+    del args
+    return p.bind(*[ad.instantiate_zeros(t) for t in cts], message=message)
+
+  mlir.register_lowering(p, fail)
+  batching.primitive_batchers[p] = lambda args, dims, message: (
+    p.bind(*args, message=message),
+    dims,
+  )
+  ad.primitive_jvps[p] = jvp
+  ad.primitive_transposes[p] = transpose
+  return p
+
+
+def unavailable(tree: Any, message: str) -> Any:
+  """``tree`` (arrays), in a program that cannot be lowered: lowering it raises
+  ``ValueError(message)``. For the branch of ``jax.lax.platform_dependent`` of a
+  platform where what was asked for cannot run: the request fails when the step
+  is lowered for that platform, and only then."""
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef.unflatten(_unavailable_p().bind(*leaves, message=message))

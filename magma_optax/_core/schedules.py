@@ -62,10 +62,22 @@ def check_range(
   *,
   low_open: bool,
   high_open: bool,
+  schedules: bool = True,
 ) -> ScalarOrSchedule:
-  """Raises ``ValueError`` unless ``value`` (or the schedule at 0) lies in the range."""
+  """Raises ``ValueError`` unless ``value`` (or the schedule at 0) lies in the range.
+
+  ``schedules=False``: a schedule is an error too (a hyperparameter that only
+  ``optax.inject_hyperparams`` may schedule).
+  """
+  kinds = "a float or an optax.Schedule" if schedules else "a float or a scalar array"
   probe = value
   what = ""
+  if is_schedule(value) and not schedules:
+    raise ValueError(
+      f"{name} must be {kinds}, not a schedule; got {value!r}. To schedule it, wrap"
+      " the factory in optax.inject_hyperparams, which evaluates the schedule and"
+      " passes its value."
+    )
   if is_schedule(value):
     try:
       probe = value(jnp.zeros([], jnp.int32))
@@ -75,7 +87,7 @@ def check_range(
   try:
     x = _concrete(probe)
   except ValueError as e:
-    raise ValueError(f"{name} must be a float or an optax.Schedule; {e}.") from None
+    raise ValueError(f"{name} must be {kinds}; {e}.") from None
   if x is None:
     return value
   lo_ok = x > low if low_open else x >= low
@@ -100,3 +112,17 @@ def check_probability(name: str, value: ScalarOrSchedule) -> ScalarOrSchedule:
 def check_decay(name: str, value: ScalarOrSchedule) -> ScalarOrSchedule:
   """An EMA decay: [0, 1)."""
   return check_range(name, value, 0.0, 1.0, low_open=False, high_open=True)
+
+
+def check_adam(b1: Any, b2: Any, eps: Any, eps_root: Any) -> None:
+  """Checks Adam's decay rates (in [0, 1)) and epsilons (>= 0).
+
+  Each is a Python float or a scalar array: the kernels read them at run time, so
+  ``optax.inject_hyperparams`` may inject them (traced values are taken as given).
+  A schedule is an error: ``optax.inject_hyperparams`` schedules them.
+  """
+  for name, value, high in (
+    ("b1", b1, 1.0), ("b2", b2, 1.0), ("eps", eps, float("inf")),
+    ("eps_root", eps_root, float("inf")),
+  ):  # fmt: skip
+    check_range(name, value, 0.0, high, low_open=False, high_open=True, schedules=False)

@@ -22,6 +22,7 @@ from magma_optax._core import blocks as _blocks
 from magma_optax._core import compat as _compat
 from magma_optax._core import labels as _labels
 from magma_optax._core import schedules as _schedules
+from magma_optax._core import trees as _trees
 
 KeyPath = tuple[Any, ...]
 Where = Callable[[KeyPath, Any], bool] | Any | None
@@ -122,8 +123,21 @@ def plan_leaves(
   """
   paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
   leaves = [x for _, x in paths_leaves]
+  # The default labels, and the paper's scope, from the whole tree: a leaf's
+  # siblings may say what its own name does not (``_labels.tree_classify``).
+  default_labels = labels is None or labels is _labels.transformer_labels
+  tree_labels, context = None, []
+  if default_labels or where is _labels.attention_mlp_weights:
+    slots = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_trees.is_masked)[0]
+    context = [p for p, x in slots if _trees.is_masked(x)]
+    tree_labels = [label for label, _ in _labels.tree_classify(paths_leaves, context)]
   if where is None:
     scoped = [True] * len(leaves)
+  elif where is _labels.attention_mlp_weights:
+    scoped = [
+      jnp.ndim(x) >= 2 and label in ("attention", "mlp")
+      for x, label in zip(leaves, tree_labels, strict=True)
+    ]
   else:
     scoped = [
       _as_bool(s, path)
@@ -131,17 +145,15 @@ def plan_leaves(
         _per_leaf(where, paths_leaves, treedef, "where"), paths_leaves, strict=True
       )
     ]
-  label_list = _per_leaf(
-    _labels.transformer_labels if labels is None else labels,
-    paths_leaves,
-    treedef,
-    "labels",
-  )
+  if default_labels:
+    label_list = tree_labels
+  else:
+    label_list = _per_leaf(labels, paths_leaves, treedef, "labels")
   by_label = isinstance(keep_prob, Mapping)
   if leaves and (
     where is _labels.attention_mlp_weights or (labels is None and by_label)
   ):
-    _labels.warn_if_scope_misses(paths_leaves)
+    _labels.warn_if_scope_misses(paths_leaves, context)
   if by_label:
     unknown = set(keep_prob) - set(label_list)
     if unknown and leaves:  # no leaves: optax.tree.map_params' placeholder
@@ -150,6 +162,7 @@ def plan_leaves(
         f" labels present are {sorted(set(label_list))}."
       )
   plans = []
+  in_scope = []
   for i, ((path, x), ok, label) in enumerate(
     zip(paths_leaves, scoped, label_list, strict=True)
   ):
@@ -163,6 +176,7 @@ def plan_leaves(
       p = keep_prob.get(label)
     else:
       p = keep_prob
+    in_scope.append(bool(ok and floating))
     if ok and floating:
       layout = _blocks.block_layout(jnp.shape(x), granularity, stack_axes)
       plans.append(
@@ -172,6 +186,8 @@ def plan_leaves(
       plans.append(
         LeafPlan(i, str(label), None, None, path_id(path), jax.tree_util.keystr(path))
       )
+  if where is not None:
+    _labels.warn_if_attention_split(paths_leaves, in_scope)
   return plans, treedef
 
 
@@ -181,6 +197,7 @@ def plan_scope(
   where: Where,
   granularity: _blocks.Granularity = "tensor",
   stack_axes: int = 0,
+  complex_ok: bool = False,
 ) -> tuple[list[LeafPlan], Any]:
   """:func:`plan_leaves` for transforms that only need the scope (no labels or p)."""
   return plan_leaves(
@@ -190,6 +207,7 @@ def plan_scope(
     keep_prob=1.0,
     granularity=granularity,
     stack_axes=stack_axes,
+    complex_ok=complex_ok,
   )
 
 

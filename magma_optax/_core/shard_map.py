@@ -154,19 +154,17 @@ def fori_loop(lower: int, upper: Any, body_fun: Any, init: Any) -> Any:
   return jax.lax.fori_loop(lower, upper, body_fun, init)
 
 
-def cond(pred: Any, true_fun: Any, false_fun: Any, *operands: Any) -> Any:
-  """``jax.lax.cond``, also inside ``jax.shard_map`` where one branch's output varies
-  along a manual mesh axis and the other's does not (a constant): both are then
-  cast to vary along the axes of either. Outside ``shard_map``, ``lax.cond``."""
-  axes = _manual_axes()
-  if not axes:
-    return jax.lax.cond(pred, true_fun, false_fun, *operands)
-  # Each branch traced once: for its types, then replayed as the branch.
-  traced = [
-    jax.make_jaxpr(f, return_shape=True)(*operands) for f in (true_fun, false_fun)
-  ]
+def _same_types(funs: list[Any], operands: tuple[Any, ...]) -> list[Any]:
+  """``funs`` (each called on ``operands``), inside ``jax.shard_map`` each cast to
+  vary along the manual mesh axes along which any of them varies, output by output,
+  and traced once (for the types, then replayed); elsewhere ``funs``."""
+  if not _manual_axes():
+    return funs
+  traced = [jax.make_jaxpr(f, return_shape=True)(*operands) for f in funs]
   outs = [closed.out_avals for closed, _ in traced]
-  union = [_varying_aval(a) | _varying_aval(b) for a, b in zip(*outs, strict=True)]
+  union = [
+    frozenset().union(*map(_varying_aval, avals)) for avals in zip(*outs, strict=True)
+  ]
 
   def cast(fun):
     def branch(*args):
@@ -177,5 +175,24 @@ def cond(pred: Any, true_fun: Any, false_fun: Any, *operands: Any) -> Any:
 
     return branch
 
-  true_fun, false_fun = (_compat.replay(t) for t in traced)
-  return jax.lax.cond(pred, cast(true_fun), cast(false_fun), *operands)
+  return [cast(_compat.replay(t)) for t in traced]
+
+
+def cond(pred: Any, true_fun: Any, false_fun: Any, *operands: Any) -> Any:
+  """``jax.lax.cond``, also inside ``jax.shard_map`` where one branch's output varies
+  along a manual mesh axis and the other's does not (a constant): both are then
+  cast to vary along the axes of either. Outside ``shard_map``, ``lax.cond``."""
+  true_fun, false_fun = _same_types([true_fun, false_fun], operands)
+  return jax.lax.cond(pred, true_fun, false_fun, *operands)
+
+
+def platform_dependent(*operands: Any, default: Any, **per_platform: Any) -> Any:
+  """``per_platform[p](*operands)`` for the platform ``p`` the step is lowered for
+  (``cpu``, ``cuda``, ``rocm``, ``tpu``), else ``default(*operands)``:
+  ``jax.lax.platform_dependent``, chosen at lowering time (the program holds the
+  one branch, in a ``case`` on a constant that XLA folds: no branch on the
+  device), also inside ``jax.shard_map`` (as :func:`cond`)."""
+  names = list(per_platform)
+  funs = _same_types([per_platform[n] for n in names] + [default], operands)
+  chosen = dict(zip(names, funs[:-1], strict=True))
+  return jax.lax.platform_dependent(*operands, default=funs[-1], **chosen)

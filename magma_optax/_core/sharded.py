@@ -130,10 +130,13 @@ def partitionable() -> bool:
   """Whether XLA may partition the step being traced over several devices: its
   sharding propagation then runs across the step, and one computation over
   several leaves ties their shardings together (it may pick one leaf's for
-  another's output). ``False`` in a one-device process and inside a
-  ``jax.shard_map`` whose mesh axes are all manual (each device runs its own)."""
+  another's output). ``False`` in a one-device process, in a mesh of one device
+  (also an abstract one) and inside a ``jax.shard_map`` whose mesh axes are all
+  manual (each device runs its own)."""
   if jax.device_count() == 1:
     return False
   mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return True
   manual = jax.sharding.AxisType.Manual
-  return mesh.empty or any(t != manual for t in mesh.axis_types)
+  return mesh.size > 1 and any(t != manual for t in mesh.axis_types)

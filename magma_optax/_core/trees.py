@@ -148,6 +148,42 @@ def map_like(
   )
 
 
+def check_shapes(
+  transform: str, updates: Any, like: Any, what: str = "its parameter"
+) -> None:
+  """Raises ``ValueError`` where a leaf of ``updates`` is shaped unlike ``like``'s.
+
+  Gradients whose shapes are not their parameters' would otherwise broadcast
+  silently or fail deep inside a step. Shapes are static, so this runs once, when
+  the step is traced. ``like`` is the params (or a parameter-shaped part of a
+  state); ``None``, a tree of another structure, or ``MaskedNode`` leaves (a group
+  of ``optax.masked``) are not compared.
+
+  Raises:
+    ValueError: naming the transform, the leaf's path and both shapes.
+  """
+  if like is None:
+    return
+  paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
+  entries = split_like(like, treedef)
+  if entries is None:
+    return
+  for (path, u), x in zip(paths_leaves, entries, strict=True):
+    if x is None or is_masked(x) or not (hasattr(x, "shape") or _is_number(x)):
+      continue
+    if tuple(jnp.shape(u)) != tuple(jnp.shape(x)):
+      raise ValueError(
+        f"{transform}: the update (gradient) at {jax.tree_util.keystr(path)} has"
+        f" shape {tuple(jnp.shape(u))}, but {what} has shape"
+        f" {tuple(jnp.shape(x))}. Updates must have their parameters' shapes (a"
+        " gradient of another shape would be broadcast or fail inside the step)."
+      )
+
+
+def _is_number(x: Any) -> bool:
+  return isinstance(x, int | float | complex) and not isinstance(x, bool)
+
+
 def split_param_mask(treedef: Any, param_mask: Any) -> list[Any]:
   """``param_mask`` (a pytree like the parameters) split up to ``treedef``.
 

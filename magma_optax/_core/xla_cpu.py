@@ -103,6 +103,28 @@ def computed_once(u: jax.Array, needed: jax.Array) -> jax.Array:
   return jax.lax.platform_dependent(u, needed, cpu=on_cpu, default=lambda u, _: u)
 
 
+# --- a rescue in a branch on the CPU, in every step elsewhere ------------------------
+
+
+def branch_on_cpu(
+  on_cpu: Callable[..., Any], elsewhere: Callable[..., Any], *operands: Any
+) -> Any:
+  """``on_cpu(*operands)`` where the step is lowered for XLA:CPU, else
+  ``elsewhere(*operands)``: for a rescue (sums that overflowed or cancelled,
+  recomputed) that ``on_cpu`` runs in a branch, or a loop of zero or one step,
+  taken only on the steps that need it, and ``elsewhere`` on every step.
+
+  Cause (jax 0.10.2 and 0.12): on XLA:CPU an untaken branch costs nothing and each
+  extra reduction is a pass of its own; a GPU or a TPU waits on the host for a
+  branch's predicate, and fuses the extra reductions into one pass. Chosen at
+  lowering time (:func:`magma_optax._core.shard_map.platform_dependent`): a step
+  lowered for a GPU or a TPU holds no branch. Benchmarks: ``python3
+  benchmarks/device_structure.py`` (control flow per platform) and ``python3
+  benchmarks/step_overhead.py --sizes 1e6,25e6,transformer --rounds 15``.
+  """
+  return _shard_map.platform_dependent(*operands, cpu=on_cpu, default=elsewhere)
+
+
 # --- barriers -------------------------------------------------------------------------
 
 

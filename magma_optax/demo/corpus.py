@@ -1,9 +1,10 @@
 """A real byte-level text corpus that every machine has offline: the stdlib's source.
 
 :func:`load` reads a fixed list of the Python standard library's source files from
-the running interpreter and splits each at 90 % of its length (heads for training,
-tails for validation); tokens are bytes. :func:`train_batches` draws seeded random
-windows, :func:`validation_batches` a fixed set.
+the running interpreter (:func:`stdlib_sources` lists every ``.py`` file instead) and
+splits each at 90 % of its length (heads for training, tails for validation); tokens
+are bytes. :func:`train_batches` draws seeded random windows (:func:`train_starts`
+their offsets), :func:`validation_batches` a fixed set.
 """
 
 from __future__ import annotations
@@ -83,6 +84,40 @@ def stdlib_dir() -> str:
   if path and os.path.isfile(os.path.join(path, "os.py")):
     return path
   return os.path.dirname(os.__file__)  # e.g. unusual sysconfig schemes
+
+
+_NOT_STDLIB = frozenset({"site-packages", "dist-packages", "__pycache__"})
+
+
+def stdlib_sources(root: str | None = None) -> tuple[str, ...]:
+  """Every ``.py`` file of the standard library, as sorted paths relative to ``root``.
+
+  Third-party packages (``site-packages``, ``dist-packages``) are left out, and
+  symbolic links to directories are not followed, so the list depends only on the
+  CPython install: the same for a given minor version built the same way.
+  Distributions that ship the ``test`` package apart (Debian, Ubuntu) list fewer
+  files.
+
+  Args:
+    root: directory to list (default :func:`stdlib_dir`).
+
+  Returns:
+    Paths with ``/`` separators, for :func:`load`'s ``files``.
+
+  Example:
+    >>> from magma_optax.demo import corpus
+    >>> files = corpus.stdlib_sources()
+    >>> set(corpus.STDLIB_FILES) <= set(files)
+    True
+  """
+  root = stdlib_dir() if root is None else root
+  found = []
+  for dirpath, dirnames, filenames in os.walk(root):
+    dirnames[:] = [d for d in dirnames if d not in _NOT_STDLIB]
+    rel = os.path.relpath(dirpath, root)
+    prefix = "" if rel == os.curdir else rel.replace(os.sep, "/") + "/"
+    found += [prefix + f for f in filenames if f.endswith(".py")]
+  return tuple(sorted(found))
 
 
 def load(
@@ -179,10 +214,42 @@ def train_batches(
 
   def windows():
     while True:
-      starts = rng.integers(0, len(data) - seq_len, size=batch_size)
+      starts = _draw_starts(rng, len(data), batch_size, seq_len)
       yield data[starts[:, None] + offsets].astype(np.int32)
 
   return windows()
+
+
+def _draw_starts(rng: np.random.Generator, n: int, batch_size: int, seq_len: int):
+  return rng.integers(0, n - seq_len, size=batch_size)
+
+
+def train_starts(
+  data: np.ndarray, *, batch_size: int, seq_len: int, num_batches: int, seed: int = 0
+) -> np.ndarray:
+  """The start offsets of :func:`train_batches`' first ``num_batches`` batches.
+
+  For a training loop that keeps the text on the device and gathers each batch's
+  windows there: ``data[starts[i][:, None] + arange(seq_len + 1)]`` is batch ``i``
+  of ``train_batches(data, ..., seed=seed)``.
+
+  Args:
+    data: uint8 bytes, e.g. ``Corpus.train``.
+    batch_size: windows per batch (>= 1).
+    seq_len: model sequence length (>= 1).
+    num_batches: number of batches (>= 1).
+    seed: seed of the window positions.
+
+  Returns:
+    ``int64[num_batches, batch_size]``.
+  """
+  _check_window(data, batch_size, seq_len)
+  if num_batches < 1:
+    raise ValueError(f"num_batches must be >= 1; got {num_batches!r}.")
+  rng = np.random.default_rng(seed)
+  return np.stack(
+    [_draw_starts(rng, len(data), batch_size, seq_len) for _ in range(num_batches)]
+  )
 
 
 def validation_batches(

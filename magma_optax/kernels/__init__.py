@@ -13,6 +13,7 @@ pruning or sparse state; importing it needs no GPU.
 from magma_optax.kernels.api import PendingAdam
 from magma_optax.kernels.api import derived_sums
 from magma_optax.kernels.api import finish_masked_adam
+from magma_optax.kernels.api import finish_masked_adam_many
 from magma_optax.kernels.api import masked_adam
 from magma_optax.kernels.api import start_masked_adam
 from magma_optax.kernels.config import BlockSizes
@@ -35,6 +36,7 @@ __all__ = (
   "TileAdamOutput",
   "derived_sums",
   "finish_masked_adam",
+  "finish_masked_adam_many",
   "masked_adam",
   "masked_adam_reference",
   "resolve_implementation",

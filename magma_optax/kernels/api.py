@@ -11,6 +11,7 @@ they are summed directly instead: ``docs/design/internals.md``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -20,10 +21,13 @@ import jax
 import jax.numpy as jnp
 
 from magma_optax._core import blocks as _blocks
+from magma_optax._core import compat as _compat
 from magma_optax._core import shard_map as _shard_map
+from magma_optax._core import sharded as _sharded
 from magma_optax._core import xla_cpu as _xla_cpu
 from magma_optax.kernels import config as config_lib
 from magma_optax.kernels import dispatch as _dispatch
+from magma_optax.kernels import grouped
 from magma_optax.kernels import partitioned
 from magma_optax.kernels import reference
 
@@ -47,10 +51,10 @@ def masked_adam(
   *,
   count: Any,
   learning_rate: Any,
-  b1: float = 0.9,
-  b2: float = 0.999,
-  eps: float = 1e-8,
-  eps_root: float = 0.0,
+  b1: Any = 0.9,
+  b2: Any = 0.999,
+  eps: Any = 1e-8,
+  eps_root: Any = 0.0,
   weight_decay: Any = 0.0,
   params: jax.Array | None = None,
   param_mask: jax.Array | None = None,
@@ -79,7 +83,9 @@ def masked_adam(
     nu: Adam's second moment v.
     count: the step t >= 1 for bias correction (the incremented count).
     learning_rate: scalar (traced values are fine).
-    b1, b2, eps, eps_root: Adam's constants (static Python floats).
+    b1, b2, eps, eps_root: Adam's decay rates and epsilons, scalars (traced
+      values are fine: every implementation reads them at run time; ``1 - b``
+      is computed as ``optax`` does, see :func:`reference.decay`).
     weight_decay: decoupled weight decay (AdamW); needs ``params`` when nonzero.
     params: the parameters (only read for weight decay).
     param_mask: optional bool array, ``grad``'s shape; False entries do not exist.
@@ -93,7 +99,7 @@ def masked_adam(
     interpret: ``False`` (compile for the device), ``True`` (the Triton-layout
       kernel in the generic Pallas interpreter), ``"tpu"`` (the Mosaic TPU
       kernel in the TPU interpreter) or ``"gpu"`` (the Mosaic GPU kernel in its
-      interpreter; jax >= 0.12). For CPU tests at small sizes.
+      interpreter; jax >= 0.11.2). For CPU tests at small sizes.
     block_sizes: Pallas tile shape (default: :meth:`BlockSizes.get_default`).
     mu_sq_norm_prev: optional per-block ||m||^2 of the incoming ``mu`` (the
       previous step's ``mu_sq_norm``); lets the XLA path skip one reduction. Only
@@ -133,20 +139,22 @@ def masked_adam(
   return finish_masked_adam(pending, scale)
 
 
-def next_moment(b1: float, mu: jax.Array, grad: jax.Array) -> jax.Array:
+def next_moment(b1: Any, mu: jax.Array, grad: jax.Array) -> jax.Array:
   """``m_t = (1 - b1) g + b1 m_{t-1}`` in ``mu``'s dtype, as the step stores it."""
-  m = (1 - b1) * grad.astype(jnp.float32) + b1 * mu.astype(jnp.float32)
+  b1, c = reference.decay(b1)
+  m = c * grad.astype(jnp.float32) + b1 * mu.astype(jnp.float32)
   return m.astype(mu.dtype)
 
 
-def sums_where_lost(pending: PendingAdam, b1: float) -> tuple[jax.Array, ...]:
+def sums_where_lost(pending: PendingAdam, b1: Any) -> tuple[jax.Array, ...]:
   """``pending.sums`` with the blocks whose ``||m_t||^2`` is NaN summed directly.
 
   Derived and carried sums mark a block NaN where their recursion cancelled or was
-  lost to an overflow (:func:`carried_sums`); one branch, taken only on steps with
-  such a block, sums ``m_t`` and ``g`` there directly (plain float32 sums: inf
-  where those overflow). ``adam_magma`` settles the whole tree at once instead
-  (``_alignment.settle_sums``, which also rescales overflowing blocks).
+  lost to an overflow (:func:`carried_sums`); ``m_t`` and ``g`` are summed there
+  directly (plain float32 sums: inf where those overflow): on XLA:CPU in one
+  branch, taken only on steps with such a block, elsewhere on every step.
+  ``adam_magma`` settles the whole tree at once instead (``_alignment.settle_sums``,
+  which also rescales overflowing blocks).
   """
   p = pending
   if p.sums is None:
@@ -166,7 +174,13 @@ def sums_where_lost(pending: PendingAdam, b1: float) -> tuple[jax.Array, ...]:
     exact = reference.partial_sums(p.layout, m, grad, param_mask)
     return tuple(jnp.where(lost, e, s) for e, s in zip(exact, sums, strict=True))
 
-  return _shard_map.cond(jnp.any(lost), direct, lambda *ops: ops[-1], *operands)
+  # On XLA:CPU the direct sums only on steps that lost some (a branch); elsewhere
+  # every step sums directly, branch-free (_xla_cpu.branch_on_cpu).
+  return _xla_cpu.branch_on_cpu(
+    lambda *ops: _shard_map.cond(jnp.any(lost), direct, lambda *o: o[-1], *ops),
+    direct,
+    *operands,
+  )
 
 
 class PendingAdam(NamedTuple):
@@ -180,13 +194,16 @@ class PendingAdam(NamedTuple):
     implementation: the implementation that runs (``"xla"`` or ``"pallas"``).
     grad, mu, nu, params, param_mask: the step's inputs (``mu`` may be replaced
       with ``_replace`` by the same values, e.g. passed through a loop).
-    hyper: f32[4] from :func:`reference.hyperparams`.
-    constants: :class:`reference.AdamConstants`.
+    hyper: f32[NUM_HYPERPARAMS] from :func:`reference.hyperparams` (every
+      scalar of the step).
     layout: the leaf's block layout.
     sums: this step's per-block ``(<m_t, g>, ||m_t||^2, ||g||^2)``, or ``None``.
     moments: the XLA path's new ``(m_t, v_t)`` in f32 when ``sums`` are given
       (their update is computed from them), else ``None``.
     interpret, block_sizes: for the Pallas kernel.
+    off_device: for ``"pallas"``, what runs where no kernel can (a step lowered
+      for a CPU): ``"xla"``, or ``None`` (lowering there raises):
+      :func:`dispatch.off_device`.
   """
 
   implementation: str
@@ -196,12 +213,12 @@ class PendingAdam(NamedTuple):
   params: jax.Array | None
   param_mask: jax.Array | None
   hyper: jax.Array
-  constants: reference.AdamConstants
   layout: _blocks.BlockLayout
   sums: tuple[jax.Array, jax.Array, jax.Array] | None
   moments: tuple[jax.Array, jax.Array] | None
   interpret: bool | str
   block_sizes: config_lib.BlockSizes | None
+  off_device: str | None = None
 
 
 def start_masked_adam(
@@ -211,10 +228,10 @@ def start_masked_adam(
   *,
   count: Any,
   learning_rate: Any,
-  b1: float = 0.9,
-  b2: float = 0.999,
-  eps: float = 1e-8,
-  eps_root: float = 0.0,
+  b1: Any = 0.9,
+  b2: Any = 0.999,
+  eps: Any = 1e-8,
+  eps_root: Any = 0.0,
   weight_decay: Any = 0.0,
   params: jax.Array | None = None,
   param_mask: jax.Array | None = None,
@@ -267,11 +284,11 @@ def start_masked_adam(
   impl = _dispatch.resolve_implementation(
     implementation, layout=layout, interpret=interpret
   )
-  constants = reference.AdamConstants(float(b1), float(b2), float(eps), float(eps_root))
+  constants = reference.AdamConstants(b1, b2, eps, eps_root)
   hyper = reference.hyperparams(count, learning_rate, weight_decay, constants)
   sums = moments = None
   if with_sums and impl == "xla":
-    moments = reference.moments(grad, mu, nu, constants, param_mask)
+    moments = reference.moments(grad, mu, nu, hyper, param_mask)
     out_m = moments[0].astype(mu.dtype)
     # ||g||^2 apart from Adam's g * g (_xla_cpu.unshared).
     g = _xla_cpu.unshared(grad)
@@ -288,8 +305,8 @@ def start_masked_adam(
   elif with_sums:
     sums = derived_sums(layout, mu, grad, b1, param_mask)
   return PendingAdam(
-    impl, grad, mu, nu, params, param_mask, hyper, constants, layout, sums, moments,
-    interpret, block_sizes,
+    impl, grad, mu, nu, params, param_mask, hyper, layout, sums, moments, interpret,
+    block_sizes, _dispatch.off_device(implementation),
   )  # fmt: skip
 
 
@@ -311,7 +328,7 @@ def finish_masked_adam(
   if p.implementation == "xla" and p.moments is not None:
     new_m, new_v = p.moments
     u = reference.update(
-      new_m, new_v, p.hyper, p.constants, layout=p.layout, scale=scale,
+      new_m, new_v, p.hyper, layout=p.layout, scale=scale,
       params=p.params, param_mask=p.param_mask, dtype=p.grad.dtype,
     )  # fmt: skip
     return reference.MaskedAdamOutput(
@@ -319,14 +336,27 @@ def finish_masked_adam(
     )
   if p.implementation == "xla":
     return reference.masked_adam_reference(
-      p.grad, p.mu, p.nu, p.hyper, p.constants, scale=scale, layout=p.layout,
+      p.grad, p.mu, p.nu, p.hyper, scale=scale, layout=p.layout,
       param_mask=p.param_mask, params=p.params,
     )  # fmt: skip
-  out = partitioned.masked_adam_pallas_partitioned(
-    p.grad, p.mu, p.nu, p.hyper, p.constants, scale=scale, layout=p.layout,
-    param_mask=p.param_mask, params=p.params, block_sizes=p.block_sizes,
-    interpret=bool(p.interpret), backend=_dispatch.pallas_backend(p.interpret),
-  )  # fmt: skip
+
+  def step(backend, grad, mu, nu, hyper, scale, param_mask, params):
+    if backend is None:  # no kernel for this platform: the XLA step
+      return reference.masked_adam_reference(
+        grad, mu, nu, hyper, scale=scale, layout=p.layout, param_mask=param_mask,
+        params=params,
+      )  # fmt: skip
+    return partitioned.masked_adam_pallas_partitioned(
+      grad, mu, nu, hyper, scale=scale, layout=p.layout, param_mask=param_mask,
+      params=params, block_sizes=p.block_sizes, interpret=bool(p.interpret),
+      backend=backend,
+    )  # fmt: skip
+
+  operands = (p.grad, p.mu, p.nu, p.hyper, scale, p.param_mask, p.params)
+  if p.interpret:
+    out = step(_dispatch.pallas_backend(p.interpret), *operands)
+  else:
+    out = _dispatch.by_platform(step, p.off_device, *operands)
   if p.sums is None:
     return out
   # Every path returns the sums that a scale was computed from (here: derived
@@ -336,12 +366,113 @@ def finish_masked_adam(
   )
 
 
+def finish_masked_adam_many(
+  pendings: Sequence[PendingAdam], scales: Sequence[jax.Array | None]
+) -> list[reference.MaskedAdamOutput]:
+  """:func:`finish_masked_adam` for many leaves, in few kernel launches.
+
+  The Pallas leaves share kernel calls where they can (:mod:`grouped`): lowered
+  for CUDA (where Triton is the GPU kernel) or ROCm, and in the generic
+  interpreter (``interpret=True``), one call per :data:`grouped.MAX_LEAVES`
+  leaves, whatever their shapes and dtypes. Each other leaf runs on its own, as
+  :func:`finish_masked_adam` runs it: XLA leaves, the Mosaic kernels (TPU, Mosaic
+  GPU, their interpreters), leaves with explicit ``block_sizes`` (the per-leaf
+  kernel's tiles), and steps that XLA may partition over several devices or that
+  ``jax.vmap`` batches (the per-leaf kernel has the rules for those).
+
+  Args:
+    pendings: per leaf what :func:`start_masked_adam` returned.
+    scales: per leaf its f32 per-block scale (or ``None``: 1).
+
+  Returns:
+    Per leaf a :class:`MaskedAdamOutput`, as :func:`finish_masked_adam` returns it
+    (the sums of a leaf without ``pending.sums`` are summed from its outputs).
+  """
+  outs: list[Any] = [None] * len(pendings)
+  groups: dict[Any, list[int]] = {}
+  for i, (p, scale) in enumerate(zip(pendings, scales, strict=True)):
+    if _groupable(p, scale):
+      groups.setdefault((bool(p.interpret), p.off_device), []).append(i)
+    else:
+      outs[i] = finish_masked_adam(p, scale)
+  for (interpret, off), members in groups.items():
+    for at in range(0, len(members), grouped.MAX_LEAVES):
+      chunk = members[at : at + grouped.MAX_LEAVES]
+      done = _finish_group(
+        [pendings[i] for i in chunk], [scales[i] for i in chunk], interpret, off
+      )
+      for i, out in zip(chunk, done, strict=True):
+        outs[i] = out
+  return outs
+
+
+def _groupable(p: PendingAdam, scale: Any) -> bool:
+  """Whether ``p`` can share a grouped Triton call (see
+  :func:`finish_masked_adam_many`)."""
+  if p.implementation != "pallas" or not isinstance(p.interpret, bool):
+    return False
+  arrays = [p.grad, p.mu, p.nu, p.param_mask, p.params, scale]
+  return (
+    p.block_sizes is None
+    and math.prod(p.grad.shape) > 0
+    and not _compat.batched(arrays)
+    and not _sharded.partitionable()
+    and partitioned.explicit_mesh([x for x in arrays if x is not None]) is None
+  )
+
+
+def _finish_group(
+  pendings: list[PendingAdam], scales: list[Any], interpret: bool, off: str | None
+) -> list[reference.MaskedAdamOutput]:
+  """The grouped leaves' step: the grouped Triton kernel for CUDA and ROCm, each
+  leaf's own kernel for the others (:func:`dispatch.by_platform`)."""
+
+  def step(backend, operands):
+    out = []
+    if backend == "triton":
+      leaves = [
+        grouped.Leaf(g, m, v, hyper, scale, p.layout.block_size, pm, params)
+        for p, (g, m, v, hyper, scale, pm, params) in zip(
+          pendings, operands, strict=True
+        )
+      ]
+      return grouped.masked_adam_grouped(leaves, interpret=interpret)
+    for p, (g, m, v, hyper, scale, pm, params) in zip(pendings, operands, strict=True):
+      if backend is None:  # no kernel for this platform: the XLA step
+        res = reference.masked_adam_reference(
+          g, m, v, hyper, scale=scale, layout=p.layout, param_mask=pm, params=params
+        )
+      else:
+        res = partitioned.masked_adam_pallas_partitioned(
+          g, m, v, hyper, scale=scale, layout=p.layout, param_mask=pm,
+          params=params, backend=backend,
+        )  # fmt: skip
+      out.append(tuple(res[:3]))
+    return out
+
+  operands = [
+    (p.grad, p.mu, p.nu, p.hyper, scale, p.param_mask, p.params)
+    for p, scale in zip(pendings, scales, strict=True)
+  ]
+  if interpret:
+    results = step("triton", operands)
+  else:
+    results = _dispatch.by_platform(step, off, operands)
+  outs = []
+  for p, (new_m, new_v, u) in zip(pendings, results, strict=True):
+    sums = p.sums
+    if sums is None:  # summed from the outputs, as the per-leaf kernels do
+      sums = reference.partial_sums(p.layout, new_m, p.grad, p.param_mask)
+    outs.append(reference.MaskedAdamOutput(new_m, new_v, u, *sums))
+  return outs
+
+
 def carried_sums(
   layout: _blocks.BlockLayout,
   mu: jax.Array,
   grad: jax.Array,
   mu_sq_norm_prev: jax.Array,
-  b1: float,
+  b1: Any,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """``(<m_t, g>, ||m_t||^2, ||g||^2)`` reading m_t and g once: two reductions.
 
@@ -357,7 +488,7 @@ def carried_sums(
   g = grad.astype(jnp.float32)
   dot = layout.block_sum(m * g)
   gg = layout.block_sum(g * g)
-  c = 1.0 - b1
+  b1, c = reference.decay(b1)
   prev = b1 * b1 * jnp.asarray(mu_sq_norm_prev, jnp.float32)
   mm = prev + 2.0 * c * dot - c * c * gg
   return dot, trusted(mm, prev + 2.0 * c * jnp.abs(dot) + c * c * gg), gg
@@ -378,7 +509,7 @@ def derived_sums(
   layout: _blocks.BlockLayout,
   mu_prev: jax.Array,
   grad: jax.Array,
-  b1: float,
+  b1: Any,
   param_mask: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """This step's ``(<m_t, g>, ||m_t||^2, ||g||^2)`` from m_{t-1} and g (no m_t).
@@ -392,7 +523,7 @@ def derived_sums(
   float32 roundings.
   """
   dot, mm, gg = reference.partial_sums(layout, mu_prev, grad, param_mask)
-  c = 1.0 - b1
+  b1, c = reference.decay(b1)
   new_dot = b1 * dot + c * gg
   new_mm = b1 * b1 * mm + 2.0 * b1 * c * dot + c * c * gg
   terms = b1 * b1 * mm + 2.0 * b1 * c * jnp.abs(dot) + c * c * gg

@@ -4,9 +4,9 @@ The simplest correct kernel: the leaf in the row layout of
 :mod:`magma_optax.kernels.rows`, a 1-D grid, and per tile TMA copies of g, m, v (the
 mask, the params) to shared memory, the step in registers, and copies of m', v' and
 the update back (m, v aliased to m', v'); the per-row sums are added per block after
-it. ``interpret="gpu"`` runs it in ``plgpu.InterpretGPUParams()``;
+it. ``interpret="gpu"`` runs it in ``plgpu.InterpretGPUParams()`` (jax >= 0.11.2);
 ``benchmarks/gpu_check.py`` compiles it on a Hopper GPU. Why a second GPU kernel,
-and what is not done: ``docs/design/internals.md``.
+where each GPU kernel runs, and what is not done: ``docs/design/internals.md``.
 """
 
 from __future__ import annotations
@@ -24,9 +24,7 @@ from magma_optax.kernels import reference
 from magma_optax.kernels import rows as _rows
 
 
-def _kernel(
-  *refs, constants, has_mask, has_params, rows, cols, num_tiles, num_programs
-):
+def _kernel(*refs, has_mask, has_params, rows, cols, num_tiles, num_programs):
   """Program i updates tiles i, i + P, i + 2P, ... (P = ``num_programs``): each
   tile of (rows, cols) is copied in, updated and copied out."""
   pl = _compat.pallas()
@@ -62,9 +60,7 @@ def _kernel(
     g = g_s[...].astype(jnp.float32)
     keep = mask_s[...].astype(jnp.int32) != 0 if has_mask else None
     p = p_s[...] if has_params else None
-    new_m, new_v, u = reference.tile_adam(
-      g, m_s[...], v_s[...], keep, p, hyper_s, constants
-    )
+    new_m, new_v, u = reference.tile_adam(g, m_s[...], v_s[...], keep, p, hyper_s)
     u = u * scale_s[...][:, None]
     out_m = new_m.astype(m_s.dtype)
     sm = out_m.astype(jnp.float32)  # the sums see the stored moment
@@ -102,7 +98,6 @@ def masked_adam_pallas_mgpu(
   mu: jax.Array,
   nu: jax.Array,
   hyper: jax.Array,
-  constants: reference.AdamConstants,
   *,
   scale: jax.Array | None = None,
   layout: _blocks.BlockLayout | None = None,
@@ -117,7 +112,7 @@ def masked_adam_pallas_mgpu(
     block_sizes: tile shape; default :meth:`BlockSizes.get_default` with at
       least 4 rows and 16 entries (TMA copies whole multiples of 16 bytes).
     interpret: run in the Mosaic GPU interpreter (``plgpu.InterpretGPUParams()``,
-      on CPU; jax >= 0.12).
+      on CPU; jax >= 0.11.2).
 
   Raises:
     ValueError: if the layout's blocks are not contiguous, the tile is too small
@@ -131,7 +126,7 @@ def masked_adam_pallas_mgpu(
   nb, bs = layout.num_blocks, layout.block_size
   if math.prod(shape) == 0:
     return reference.masked_adam_reference(
-      grad, mu, nu, hyper, constants, scale=scale, layout=layout,
+      grad, mu, nu, hyper, scale=scale, layout=layout,
       param_mask=param_mask, params=params,
     )  # fmt: skip
   if block_sizes is None:
@@ -179,7 +174,6 @@ def masked_adam_pallas_mgpu(
   )
   kernel = functools.partial(
     _kernel,
-    constants=constants,
     has_mask=param_mask is not None,
     has_params=params is not None,
     rows=rows,

@@ -115,7 +115,7 @@ def plan_tiles(
   return cols, rows if rows is not None and 4 * rows >= target else target
 
 
-def _kernel(hyper_ref, scale_ref, *refs, constants, has_mask, has_params):
+def _kernel(hyper_ref, scale_ref, *refs, has_mask, has_params):
   """One tile; the sums' output blocks stay resident along grid axis 1."""
   it = iter(refs)
   g_ref, m_ref, v_ref = next(it), next(it), next(it)
@@ -132,9 +132,7 @@ def _kernel(hyper_ref, scale_ref, *refs, constants, has_mask, has_params):
   g = g_ref[...].astype(jnp.float32)
   keep = mask_ref[...].astype(jnp.int32) != 0 if has_mask else None
   p = p_ref[...] if has_params else None
-  new_m, new_v, u = reference.tile_adam(
-    g, m_ref[...], v_ref[...], keep, p, hyper_ref, constants
-  )
+  new_m, new_v, u = reference.tile_adam(g, m_ref[...], v_ref[...], keep, p, hyper_ref)
   u = u * scale_ref[...]  # (rows, 1) or (1, 1, 1): broadcast over the tile
   out_m = new_m.astype(m_out.dtype)
   # The sums see the stored moment, as a cosine computed after the step would.
@@ -168,7 +166,6 @@ def masked_adam_pallas_tpu(
   mu: jax.Array,
   nu: jax.Array,
   hyper: jax.Array,
-  constants: reference.AdamConstants,
   *,
   scale: jax.Array | None = None,
   layout: _blocks.BlockLayout | None = None,
@@ -195,7 +192,7 @@ def masked_adam_pallas_tpu(
   nb, bs = layout.num_blocks, layout.block_size
   if math.prod(shape) == 0:
     return reference.masked_adam_reference(
-      grad, mu, nu, hyper, constants, scale=scale, layout=layout,
+      grad, mu, nu, hyper, scale=scale, layout=layout,
       param_mask=param_mask, params=params,
     )  # fmt: skip
   dtypes = [grad.dtype, mu.dtype, nu.dtype]
@@ -255,7 +252,6 @@ def masked_adam_pallas_tpu(
   )
   kernel = functools.partial(
     _kernel,
-    constants=constants,
     has_mask=param_mask is not None,
     has_params=params is not None,
   )

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec
 
 from magma_optax._core import blocks as _blocks
 from magma_optax._core import compat as _compat
+from magma_optax._core import sharded as _sharded
 from magma_optax.kernels import config as config_lib
 from magma_optax.kernels import mosaic_gpu
 from magma_optax.kernels import mosaic_tpu
@@ -115,7 +116,6 @@ def _specs(
 
 @functools.cache
 def _kernel_fns(
-  constants: reference.AdamConstants,
   layout: _blocks.BlockLayout,
   block_sizes: config_lib.BlockSizes | None,
   interpret: bool,
@@ -131,7 +131,7 @@ def _kernel_fns(
     params = next(it) if has_params else None
     return tuple(
       kernel_for(backend)(
-        g, m, v, hyper, constants, scale=scale, layout=layout_,
+        g, m, v, hyper, scale=scale, layout=layout_,
         param_mask=mask, params=params, block_sizes=block_sizes,
         interpret=interpret,
       )
@@ -229,6 +229,11 @@ def _first_sharded_spec(shardings) -> PartitionSpec:
   return PartitionSpec()
 
 
+def explicit_mesh(arrays):
+  """The mesh whose ``Explicit`` axes shard one of ``arrays``, else ``None``."""
+  return _explicit_mesh_and_spec(arrays)[0]
+
+
 def _explicit_mesh_and_spec(arrays):
   """(mesh, spec) if the arrays' types carry a sharding (Explicit axes), else None."""
   shardings = [getattr(jax.typeof(x), "sharding", None) for x in arrays]
@@ -246,7 +251,6 @@ def masked_adam_pallas_partitioned(
   mu: jax.Array,
   nu: jax.Array,
   hyper: jax.Array,
-  constants: reference.AdamConstants,
   *,
   scale: jax.Array | None = None,
   layout: _blocks.BlockLayout | None = None,
@@ -273,17 +277,21 @@ def masked_adam_pallas_partitioned(
   scale = jnp.asarray(scale, jnp.float32).reshape(layout.block_shape)
   kernel_for(backend)  # a bad name fails here, not inside the partitioner
   per_shard, kernel, unpartitioned = _kernel_fns(
-    constants, layout, block_sizes, bool(interpret), param_mask is not None,
+    layout, block_sizes, bool(interpret), param_mask is not None,
     params is not None, backend,
   )  # fmt: skip
   args = [hyper.astype(jnp.float32), scale, grad, mu, nu]
   args += [x for x in (param_mask, params) if x is not None]
   mesh, spec = _explicit_mesh_and_spec(args[2:])
-  if mesh is None and interpret and backend != "triton":
-    # The TPU and Mosaic GPU interpreters order their steps with ordered
-    # callbacks, an effect custom_partitioning cannot lower: run unpartitioned.
+  if mesh is None and (
+    not _sharded.partitionable() or (interpret and backend != "triton")
+  ):
+    # Nothing to partition (one device, a mesh of one, inside shard_map): the
+    # kernel as it is, also under an abstract mesh, where custom_partitioning
+    # cannot lower. And the TPU and Mosaic GPU interpreters order their steps
+    # with ordered callbacks, an effect custom_partitioning cannot lower either.
     return reference.MaskedAdamOutput(*unpartitioned(*args))
-  if mesh is None:  # Auto axes or one device: the partitioner calls back
+  if mesh is None:  # Auto axes: the partitioner calls back
     return reference.MaskedAdamOutput(*kernel(*args))
   # Explicit axes: the shardings are known now, so map over the shards directly.
   leaf, block, psum_axes = _specs(layout, spec, mesh.shape)

@@ -4,8 +4,10 @@ One pass over memory per leaf: each program loads a tile of g, m, v (and p for
 weight decay, the parameter mask where given), computes the new moments, the masked
 update and the three per-row partial sums of Magma's cosine in float32, and stores
 them (m, v aliased to m', v'). The leaf is seen as rows of its blocks
-(:mod:`magma_optax.kernels.rows`). It runs where Triton is the only option and under
-the generic Pallas interpreter (``interpret=True``).
+(:mod:`magma_optax.kernels.rows`). It runs for CUDA and ROCm where the Mosaic GPU
+kernel does not, with explicit ``block_sizes`` or where the step may be partitioned
+over devices (else :mod:`magma_optax.kernels.grouped` takes many leaves in one
+call), and under the generic Pallas interpreter (``interpret=True``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from magma_optax.kernels import reference
 from magma_optax.kernels import rows as _rows
 
 
-def _kernel(*refs, constants, has_mask, has_params):
+def _kernel(*refs, has_mask, has_params):
   """One (block_rows, block_cols) tile; see the module docstring."""
   it = iter(refs)
   hyper_ref, scale_ref, g_ref, m_ref, v_ref = (next(it) for _ in range(5))
@@ -33,9 +35,7 @@ def _kernel(*refs, constants, has_mask, has_params):
   g = g_ref[...].astype(jnp.float32)
   keep = mask_ref[...] != 0 if has_mask else None
   p = p_ref[...] if has_params else None
-  new_m, new_v, u = reference.tile_adam(
-    g, m_ref[...], v_ref[...], keep, p, hyper_ref, constants
-  )
+  new_m, new_v, u = reference.tile_adam(g, m_ref[...], v_ref[...], keep, p, hyper_ref)
   u = u * scale_ref[...][:, None]
   out_m = new_m.astype(m_out.dtype)
   # The sums see the stored moment, as a cosine computed after the step would.
@@ -57,7 +57,6 @@ def masked_adam_pallas(
   mu: jax.Array,
   nu: jax.Array,
   hyper: jax.Array,
-  constants: reference.AdamConstants,
   *,
   scale: jax.Array | None = None,
   layout: _blocks.BlockLayout | None = None,
@@ -84,7 +83,7 @@ def masked_adam_pallas(
   bs = layout.block_size
   if math.prod(shape) == 0:
     return reference.masked_adam_reference(
-      grad, mu, nu, hyper, constants, scale=scale, layout=layout,
+      grad, mu, nu, hyper, scale=scale, layout=layout,
       param_mask=param_mask, params=params,
     )  # fmt: skip
   sizes = block_sizes or config_lib.BlockSizes.get_default(bs, nb)
@@ -124,7 +123,6 @@ def masked_adam_pallas(
     compiler_params = _compat.triton_compiler_params(sizes.num_warps or 4)
   kernel = functools.partial(
     _kernel,
-    constants=constants,
     has_mask=param_mask is not None,
     has_params=params is not None,
   )

@@ -1,12 +1,12 @@
 """Adam + Magma as one fused optimizer: the same updates as ``magma(optax.adam(...))``.
 
-:func:`adam_magma` computes per leaf, in one kernel call
-(:func:`magma_optax.kernels.masked_adam`), Adam's moments, Magma's alignment sums and
-the masked, scaled update. The planning, draws and mask state are the engine's and
+:func:`adam_magma` computes Adam's moments, Magma's alignment sums and the masked,
+scaled update in one fused step (:mod:`magma_optax.kernels`; with the Pallas kernel,
+one call for many leaves). The planning, draws and mask state are the engine's and
 the alignment rule's (:mod:`magma_optax.masking.engine`), so the updates equal the
 wrapper's for the same key. Each step runs in two halves, with the blocks whose
-float32 sums are not finite recomputed exactly in between, in one branch for the
-whole tree.
+float32 sums are not finite recomputed exactly in between (one branch for the whole
+tree on XLA:CPU, none elsewhere).
 """
 
 from __future__ import annotations
@@ -68,27 +68,6 @@ def _check_real(tree: Any) -> None:
     )
 
 
-def _static_float(name: str, value: Any, valid: str) -> float:
-  """A Python float from ``value``; traced values cannot be kernel constants."""
-  if _compat.is_tracer(value):
-    raise ValueError(
-      f"{name} must be a Python float ({valid}), not a traced value: it is a"
-      " constant of the fused kernel. With optax.inject_hyperparams, pass"
-      " static_args=('b1', 'b2', 'eps', 'eps_root')."
-    )
-  if isinstance(value, bool):
-    raise ValueError(f"{name} must be a float {valid}; got {value!r}.")
-  try:
-    return float(value)
-  except (TypeError, ValueError):
-    raise ValueError(f"{name} must be a float {valid}; got {value!r}.") from None
-
-
-def _check_unit(name: str, value: Any) -> float:
-  value = _static_float(name, value, "in [0, 1)")
-  return float(_schedules.check_decay(name, value))
-
-
 def _check_nonnegative(name: str, value: Any) -> Any:
   return _schedules.check_range(
     name, value, 0.0, float("inf"), low_open=False, high_open=True
@@ -98,10 +77,10 @@ def _check_nonnegative(name: str, value: Any) -> Any:
 def adam_magma(
   learning_rate: _schedules.ScalarOrSchedule,
   *,
-  b1: float = 0.9,
-  b2: float = 0.999,
-  eps: float = 1e-8,
-  eps_root: float = 0.0,
+  b1: jax.typing.ArrayLike = 0.9,
+  b2: jax.typing.ArrayLike = 0.999,
+  eps: jax.typing.ArrayLike = 1e-8,
+  eps_root: jax.typing.ArrayLike = 0.0,
   weight_decay: _schedules.ScalarOrSchedule = 0.0,
   mu_dtype: Any = None,
   tau: _schedules.ScalarOrSchedule = 2.0,
@@ -117,7 +96,7 @@ def adam_magma(
   interpret: bool | str = False,
   block_sizes: kernels.BlockSizes | None = None,
 ) -> optax.GradientTransformationExtraArgs:
-  r"""Adam (or AdamW) with Magma masking, fused: one kernel call per leaf.
+  r"""Adam (or AdamW) with Magma masking, fused into one step.
 
   Per block b, with gradient g_t (Algorithm 1 of the paper, dense moments)::
 
@@ -131,19 +110,23 @@ def adam_magma(
   keep_prob=keep_prob, key=key, ...)`` (``optax.adamw(..., weight_decay=wd)`` when
   ``weight_decay`` is nonzero) for the same key, without ``param_mask`` (the
   wrapper passes no ``param_mask`` to ``optax.adam``: it updates every entry).
-  Cost: Adam's passes plus two
-  block reductions (<m_t, g>, ||g||^2); ||m_t||^2 is carried (summed directly in
-  blocks of fewer than 16 entries, or where the carry cancels); timings in
-  ``benchmarks/RESULTS.md``. Leaves out of ``where`` take the plain Adam(W) update.
+  Cost: Adam's passes plus two block reductions (<m_t, g>, ||g||^2); ||m_t||^2 is
+  carried (summed directly in blocks of fewer than 16 entries, or where the carry
+  cancels). Leaves out of ``where`` take the plain Adam(W) update.
 
   Args:
     learning_rate: float or ``optax.Schedule`` of the step count.
     b1, b2: Adam's decay rates, in [0, 1).
-    eps, eps_root: Adam's epsilons, >= 0.
+    eps, eps_root: Adam's epsilons, >= 0. These four are Python floats or scalar
+      arrays, read at run time: ``optax.inject_hyperparams`` injects them as it
+      does ``optax.adam``'s, with the same moments (``1 - b`` of a float32 ``b``
+      may differ in its last bits: :func:`magma_optax.kernels.reference.decay`).
     weight_decay: decoupled weight decay >= 0 (AdamW), float or schedule; applied to
       every leaf, like ``optax.adamw(mask=None)``. Needs ``params`` in ``update``.
     mu_dtype: dtype of the first moment (default: the parameter's).
-    tau: temperature tau > 0 of Magma's sigmoid (paper: 2.0); float or schedule.
+    tau: temperature tau >= 1e-3 of Magma's sigmoid (paper: 2.0); float or
+      schedule. A schedule is checked at step 0 and raised to 1e-3 at every step
+      where it falls below (0 would make the scores NaN).
     keep_prob: probability in (0, 1] of keeping a block (paper: 0.5); float,
       schedule or mapping label -> probability.
     key: PRNG key (int or ``jax.random.key``), keyword-only, default 0.
@@ -158,14 +141,16 @@ def adam_magma(
       :func:`attention_mlp_weights`, the paper's scope).
     labels: labels for per-label keep probabilities and statistics.
     implementation: kernel choice, see :func:`magma_optax.kernels.masked_adam`:
-      ``"xla"``, ``"pallas"``, a sequence, or ``None``
+      ``"xla"``, ``"pallas"`` (the kernel of the platform the step is lowered for;
+      lowered for a CPU it raises ``ValueError``), a sequence (``("pallas",
+      "xla")``: the kernel on a GPU or a TPU, XLA elsewhere), or ``None``
       (``kernels.DEFAULT_IMPLEMENTATIONS``, XLA for now).
     interpret: run the Pallas kernel on CPU in an interpreter (tests only, small
       sizes; slow). ``False`` (default) compiles for the device; ``True`` runs the
       Triton-layout kernel in the generic Pallas interpreter; ``"tpu"`` the Mosaic
       TPU kernel in the TPU interpreter (``pltpu.InterpretParams``); ``"gpu"`` the
       Mosaic GPU kernel in its interpreter (``plgpu.InterpretGPUParams``, jax >=
-      0.12). Used with ``implementation="pallas"``. Any other value, or an
+      0.11.2). Used with ``implementation="pallas"``. Any other value, or an
       interpreter the installed jax lacks, raises ``ValueError`` at the first
       update (see :func:`magma_optax.kernels.masked_adam`).
     block_sizes: Pallas tile shape (default: the heuristic).
@@ -193,7 +178,9 @@ def adam_magma(
   # The same engine (config, rule, draws, state) as magma(optax.adam(...)).
   rule = _arguments.from_arguments(_alignment.AlignmentRule.create, arguments)
   engine = _engine.BlockMask(
-    _arguments.from_arguments(_engine.MaskConfig.create, arguments), rule
+    _arguments.from_arguments(_engine.MaskConfig.create, arguments),
+    rule,
+    name="adam_magma",
   )
 
   def init_fn(params):
@@ -211,25 +198,26 @@ def adam_magma(
 
   def update_fn(updates, state, params=None, *, param_mask=None, **extra_args):
     del extra_args
-    _check_real(updates)
-    if adam.has_decay and params is None:
-      raise ValueError(
-        "adam_magma with weight_decay needs the params: call update(grads,"
-        " state, params)."
-      )
+    _check_update(adam, updates, state, params)
     plans, treedef, masks, _ = engine.prepare(updates, state.mask_state)
     leaves = _leaves(plans, treedef, updates, state, params, param_mask, adam)
     count = optax.safe_increment(state.count)
     # First half for every leaf: the step's block sums (scoped leaves) ...
     pending = [_start(leaf, adam, state.count, count) for leaf in leaves]
     # ... the blocks whose float32 sums are not finite (an overflow, or a carry
-    # lost to one or to cancellation) recomputed exactly, in one branch for the
-    # whole tree ...
+    # lost to one or to cancellation) recomputed exactly, for the whole tree at
+    # once (on XLA:CPU in one branch) ...
     pending, sums, norms = _settle(pending, adam.b1)
-    # ... then the scores, and the second half: the scaled updates.
+    # ... then the scores, and the second half: the scaled updates (Pallas leaves
+    # in as few kernel calls as they can share).
+    scored = [
+      _score(leaf, s, z, rule, state.mask_state.count)
+      for leaf, s, z in zip(leaves, sums, masks, strict=True)
+    ]
+    results = kernels.finish_masked_adam_many(pending, [sc[1] for sc in scored])
     done = [
-      _finish(leaf, p, s, n, z, rule, state.mask_state.count)
-      for leaf, p, s, n, z in zip(leaves, pending, sums, norms, masks, strict=True)
+      _done(leaf, res, sc[0], n)
+      for leaf, res, sc, n in zip(leaves, results, scored, norms, strict=True)
     ]
     return treedef.unflatten([d.update for d in done]), _new_state(
       engine, treedef, plans, state, masks, count, done
@@ -238,13 +226,32 @@ def adam_magma(
   return optax.GradientTransformationExtraArgs(*_shard_map.typed(init_fn, update_fn))
 
 
+def _check_update(adam, updates, state, params) -> None:
+  """The update's arguments checked (``ValueError`` naming what is wrong)."""
+  _check_real(updates)
+  _trees.check_shapes("adam_magma", updates, params)
+  _trees.check_shapes("adam_magma", updates, state.mu, "Adam's first moment there")
+  if adam.has_decay and params is None:
+    hint = ""
+    if _compat.is_tracer(adam.weight_decay):
+      hint = (
+        " weight_decay is traced (optax.inject_hyperparams injects it, its"
+        " default 0.0 included), so the step cannot know it is 0: pass the"
+        " params, or static_args=('weight_decay',)."
+      )
+    raise ValueError(
+      "adam_magma with weight_decay needs the params: call update(grads,"
+      f" state, params).{hint}"
+    )
+
+
 class _AdamConfig(NamedTuple):
   """adam_magma's validated Adam hyperparameters."""
 
-  b1: float
-  b2: float
-  eps: float
-  eps_root: float
+  b1: Any
+  b2: Any
+  eps: Any
+  eps_root: Any
   learning_rate: Any
   weight_decay: Any
   has_decay: bool
@@ -257,11 +264,7 @@ class _AdamConfig(NamedTuple):
   def create(cls, arguments: dict[str, Any]) -> _AdamConfig:
     """Checks adam_magma's Adam arguments (``ValueError`` naming the argument)."""
     a = arguments
-    eps = _static_float("eps", a["eps"], ">= 0")
-    eps_root = _static_float("eps_root", a["eps_root"], ">= 0")
-    for name, value in (("eps", eps), ("eps_root", eps_root)):
-      if value < 0:
-        raise ValueError(f"{name} must be a float >= 0; got {value!r}.")
+    _schedules.check_adam(a["b1"], a["b2"], a["eps"], a["eps_root"])
     implementation = a["implementation"]
     if isinstance(implementation, str) or implementation is None:
       impls = () if implementation is None else (implementation,)
@@ -281,10 +284,10 @@ class _AdamConfig(NamedTuple):
     )
     mu_dtype = a["mu_dtype"]
     return cls(
-      b1=_check_unit("b1", a["b1"]),
-      b2=_check_unit("b2", a["b2"]),
-      eps=eps,
-      eps_root=eps_root,
+      b1=a["b1"],
+      b2=a["b2"],
+      eps=a["eps"],
+      eps_root=a["eps_root"],
       learning_rate=_check_nonnegative("learning_rate", a["learning_rate"]),
       weight_decay=weight_decay,
       has_decay=has_decay,
@@ -370,15 +373,19 @@ class _Done(NamedTuple):
   norm: Any
 
 
-def _finish(leaf, pending, sums, norm, mask, rule, mask_count) -> _Done:
-  """The second half of a leaf's step: its score, then its scaled update."""
+def _score(leaf, sums, mask, rule, mask_count) -> tuple[Any, Any]:
+  """A leaf's new block score and the scale of its update (``None`` unscoped)."""
   if leaf.plan.layout is None:
-    res = kernels.finish_masked_adam(pending, None)
-    blank = optax.MaskedNode()
-    return _Done(res.update, res.mu, res.nu, blank, blank)
+    return optax.MaskedNode(), None
   cos = _alignment.cosine_from_sums(*sums)
   score = rule.score(leaf.score, cos, mask_count)
-  res = kernels.finish_masked_adam(pending, score * mask)
+  return score, score * mask
+
+
+def _done(leaf, res, score, norm) -> _Done:
+  """A leaf's step from its kernel's output: update, moments, score, carry."""
+  if leaf.plan.layout is None:
+    return _Done(res.update, res.mu, res.nu, score, optax.MaskedNode())
   if leaf.param_mask is not None:  # the sums covered existing entries only
     norm = leaf.plan.layout.block_sum(jnp.square(res.mu.astype(jnp.float32)))
   return _Done(res.update, res.mu, res.nu, score, norm)
@@ -409,7 +416,7 @@ def _new_state(engine, treedef, plans, state, masks, count, done) -> AdamMagmaSt
   )
 
 
-def _settle(pending: list[Any], b1: float) -> tuple[list[Any], list[Any], list[Any]]:
+def _settle(pending: list[Any], b1: Any) -> tuple[list[Any], list[Any], list[Any]]:
   """The scoped leaves' sums with non-finite blocks made exact; the carries.
 
   Returns ``(pending, sums, norms)`` per leaf (``None`` for unscoped leaves):
@@ -468,7 +475,7 @@ def _settle(pending: list[Any], b1: float) -> tuple[list[Any], list[Any], list[A
   return pending, sums, norms
 
 
-def _moment(b1: float, mu: jax.Array, grad: jax.Array) -> jax.Array:
+def _moment(b1: Any, mu: jax.Array, grad: jax.Array) -> jax.Array:
   """``m_t = (1 - b1) g + b1 m_{t-1}`` in ``mu``'s dtype, from inputs of its own
   (a barrier's outputs), so that each reduction computes it in its own pass."""
   return kernels.api.next_moment(b1, *_xla_cpu.unshared((mu, grad)))

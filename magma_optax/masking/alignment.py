@@ -1,11 +1,12 @@
 """Magma's alignment rule: a per-block score from the cosine of momentum and gradient.
 
 :class:`AlignmentRule` keeps per block ``s_t = 0.9 s_{t-1} + 0.1 sigmoid(cos(mu_t,
-g_t) / tau)`` and scales a kept block by it; :func:`alignment_mask` is the rule as a
-transformation (the cosine of its own EMA and of what flows in). Block sums are
-float32 and overflow-safe: where they are not finite for finite entries they are
-recomputed rescaled (:func:`settle_sums`, one branch for the tree), so the cosine is
-exact for every block of finite entries.
+g_t) / tau)`` (``tau`` raised to :data:`TAU_FLOOR` at every step) and scales a kept
+block by it; :func:`alignment_mask` is the rule as a transformation (the cosine of
+its own EMA and of what flows in). Block sums are float32 and overflow-safe: where
+they are not finite for finite entries they are recomputed rescaled
+(:func:`settle_sums`: one branch for the tree on XLA:CPU, every block both ways in
+one pass elsewhere), so the cosine is exact for every block of finite entries.
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ from magma_optax._core import scoping as _scoping
 from magma_optax._core import shard_map as _shard_map
 from magma_optax._core import xla_cpu as _xla_cpu
 from magma_optax.masking import engine as _engine
+
+# The smallest tau a step uses: below it (0 included) a schedule or an injected
+# value is raised to it at every step, as keep probabilities are clipped; at tau = 0
+# a zero cosine gives cos / tau = 0 / 0, a NaN score.
+TAU_FLOOR = 1e-3
 
 
 class AlignmentMaskState(NamedTuple):
@@ -212,6 +218,53 @@ def exact_sums(
   return (dot, aa_s, bb_s), aa
 
 
+def branch_free_sums(
+  layout: _blocks.BlockLayout,
+  a: jax.Array,
+  b: jax.Array,
+  param_mask: jax.Array | None = None,
+) -> tuple[tuple[jax.Array, jax.Array, jax.Array], jax.Array]:
+  """:func:`exact_sums` in one pass, without a branch or a second read.
+
+  Every block's sums are computed with each vector as it is and divided by
+  ``2**RESCALE_EXPONENT``: ``||a||^2`` and ``||b||^2`` both ways, ``<a, b>`` the
+  four ways; then each block picks the ones :func:`exact_sums` would compute (the
+  same products, exactly). The eight reductions read ``a`` and ``b`` only, so XLA
+  on a GPU or a TPU computes them in one multi-output fusion, reading each input
+  once; on XLA:CPU each reduction is a pass of its own (:func:`settle_sums` keeps
+  the branch there). Returns ``((dot, aa, bb), plain_aa)`` as :func:`exact_sums`.
+  """
+  complex_ = jnp.iscomplexobj(a) or jnp.iscomplexobj(b)
+
+  def parts(x):
+    if param_mask is not None:
+      x = jnp.where(param_mask, x, jnp.zeros((), x.dtype))
+    return _parts(x, complex_)
+
+  xs, ys = parts(a), parts(b)
+  scale = 2.0**-RESCALE_EXPONENT
+  xs_s, ys_s = [x * scale for x in xs], [y * scale for y in ys]
+
+  def block_sum(us, vs):
+    return layout.block_sum(sum(u * v for u, v in zip(us, vs, strict=True)))
+
+  aa, aa_s = block_sum(xs, xs), block_sum(xs_s, xs_s)
+  bb, bb_s = block_sum(ys, ys), block_sum(ys_s, ys_s)
+  dots = {
+    (False, False): block_sum(xs, ys),
+    (True, False): block_sum(xs_s, ys),
+    (False, True): block_sum(xs, ys_s),
+    (True, True): block_sum(xs_s, ys_s),
+  }
+  large_a, large_b = ~(aa < _LARGE), ~(bb < _LARGE)  # NaN counts as large
+  dot = jnp.where(
+    large_a,
+    jnp.where(large_b, dots[True, True], dots[True, False]),
+    jnp.where(large_b, dots[False, True], dots[False, False]),
+  )
+  return (dot, jnp.where(large_a, aa_s, aa), jnp.where(large_b, bb_s, bb)), aa
+
+
 def settle_sums(
   layouts: list[_blocks.BlockLayout],
   sums: list[tuple[jax.Array, jax.Array, jax.Array]],
@@ -246,15 +299,32 @@ def settle_sums(
     unscaled ``||a||^2`` (summed directly in that case: a carry to keep); and
     ``operand`` (use it from here on).
 
-  One branch for the whole tree: ordinary steps pay one test of the small
-  per-block sums, never a branch per leaf (a GPU waits on the host for a
-  branch's predicate). Reverse mode works through it under ``jax.jit`` and
-  ``lax.scan`` too: where the given sums are finite their derivatives pass
-  through, and recomputed blocks (non-finite sums) pass none.
+  Chosen per backend when the step is lowered (``jax.lax.platform_dependent``).
+  On XLA:CPU one branch for the whole tree: ordinary steps pay one test of the
+  small per-block sums, never a branch per leaf; reverse mode works through it
+  under ``jax.jit`` and ``lax.scan`` too: where the given sums are finite their
+  derivatives pass through, and recomputed blocks (non-finite sums) pass none.
+  Elsewhere no branch (a GPU or a TPU waits on the host for a branch's
+  predicate): every leaf's sums are taken again by :func:`branch_free_sums`, in
+  one pass over its vectors, and the given sums are not read.
   """
   sums = [tuple(jnp.asarray(x, jnp.float32) for x in s) for s in sums]
   if not sums:
     return [], [], operand
+  # Whether jax.vmap batches the sums, seen here: inside a branch they are traced
+  # anew, unbatched.
+  on_cpu = _settle_on_cpu(layouts, vectors, direct, _compat.batched(sums))
+  # The one place where the step differs by backend (_xla_cpu.branch_on_cpu): on
+  # XLA:CPU the rescaled sums run only on steps that need them; a GPU or a TPU
+  # reads the vectors once for all the sums, with no branch.
+  return _xla_cpu.branch_on_cpu(
+    on_cpu, _settle_branch_free(layouts, vectors), sums, operand, reads
+  )
+
+
+def _settle_on_cpu(layouts, vectors, direct: bool, batched: bool) -> Any:
+  """:func:`settle_sums` on XLA:CPU: ``(sums, operand, reads) -> (sums, norms,
+  operand)``, one branch (or loop of zero or one step) for the whole tree."""
 
   def rescue(old, ops, rd):
     new, norms = [], []
@@ -272,43 +342,63 @@ def settle_sums(
     # concatenation of differently sharded sums is an error on Explicit axes).
     return ~jnp.all(jnp.stack([jnp.all(finite(s)) for s in sums]))
 
-  if not jax.tree.leaves(operand) and not _compat.batched(sums):
-    # A cond: what it reads is not carried. (A loop's closure is part of its
-    # carry, which XLA copies where the step also returns those buffers.)
-    new, norms = _shard_map.cond(
-      pred(sums),
-      lambda args: rescue(args[0], (), args[1]),
-      lambda args: (args[0], [s[1] for s in args[0]]),
-      (sums, reads),
-    )
+  def on_cpu(sums, operand, reads):
+    if not jax.tree.leaves(operand) and not batched:
+      # A cond: what it reads is not carried. (A loop's closure is part of its
+      # carry, which XLA copies where the step also returns those buffers.)
+      new, norms = _shard_map.cond(
+        pred(sums),
+        lambda args: rescue(args[0], (), args[1]),
+        lambda args: (args[0], [s[1] for s in args[0]]),
+        (sums, reads),
+      )
+      return new, norms, operand
+
+    # A loop, whose carry is updated in place: the operand passes through it (and
+    # under jax.vmap a cond with a batched predicate runs both branches on every
+    # step, a loop only while some member needs it). A loop has no reverse mode,
+    # hence the rule below.
+    @jax.custom_jvp
+    def looped(sums, operand, reads):
+      def body(carry):
+        new, norms = rescue(carry[0], carry[2], reads)
+        return new, norms, _xla_cpu.passed_through(carry[2])
+
+      return _xla_cpu.run_if(pred(sums), body, (sums, [s[1] for s in sums], operand))
+
+    @looped.defjvp
+    def _(primals, tangents):
+      sums, dsums, doperand = primals[0], tangents[0], tangents[1]
+      dnew = [
+        tuple(jnp.where(finite(s), d, 0.0) for d in ds)
+        for s, ds in zip(sums, dsums, strict=True)
+      ]
+      dnorms = [
+        jnp.where(jnp.isfinite(s[1]), ds[1], 0.0)
+        for s, ds in zip(sums, dsums, strict=True)
+      ]
+      return looped(*primals), (dnew, dnorms, doperand)
+
+    return looped(sums, operand, reads)
+
+  return on_cpu
+
+
+def _settle_branch_free(layouts, vectors) -> Any:
+  """:func:`settle_sums` elsewhere: every leaf's sums taken again by
+  :func:`branch_free_sums`, in one pass over its vectors, without a branch."""
+
+  def branch_free(sums, operand, reads):
+    del sums  # every sum is taken again, in one pass over the vectors
+    new, norms = [], []
+    for layout, (a, b, pm) in zip(layouts, vectors(operand, reads), strict=True):
+      a, b = (x() if callable(x) else x for x in (a, b))
+      exact, plain_aa = branch_free_sums(layout, a, b, pm)
+      new.append(exact)
+      norms.append(plain_aa)
     return new, norms, operand
 
-  # A loop, whose carry is updated in place: the operand passes through it (and
-  # under jax.vmap a cond with a batched predicate runs both branches on every
-  # step, a loop only while some member needs it). A loop has no reverse mode,
-  # hence the rule below.
-  @jax.custom_jvp
-  def looped(sums, operand, reads):
-    def body(carry):
-      new, norms = rescue(carry[0], carry[2], reads)
-      return new, norms, _xla_cpu.passed_through(carry[2])
-
-    return _xla_cpu.run_if(pred(sums), body, (sums, [s[1] for s in sums], operand))
-
-  @looped.defjvp
-  def _(primals, tangents):
-    sums, dsums, doperand = primals[0], tangents[0], tangents[1]
-    dnew = [
-      tuple(jnp.where(finite(s), d, 0.0) for d in ds)
-      for s, ds in zip(sums, dsums, strict=True)
-    ]
-    dnorms = [
-      jnp.where(jnp.isfinite(s[1]), ds[1], 0.0)
-      for s, ds in zip(sums, dsums, strict=True)
-    ]
-    return looped(*primals), (dnew, dnorms, doperand)
-
-  return looped(sums, operand, reads)
+  return branch_free
 
 
 def next_score(
@@ -375,7 +465,9 @@ class AlignmentRule(_engine.Rule):
   ) -> AlignmentRule:
     """Checks every hyperparameter (``ValueError`` naming it)."""
     return cls(
-      tau=_schedules.check_positive("tau", tau),
+      tau=_schedules.check_range(
+        "tau", tau, TAU_FLOOR, float("inf"), low_open=False, high_open=True
+      ),
       score_decay=_schedules.check_decay("score_decay", score_decay),
       init_score=_schedules.check_range(
         "init_score", init_score, 0.0, 1.0, low_open=False, high_open=False
@@ -393,8 +485,9 @@ class AlignmentRule(_engine.Rule):
     return out
 
   def score(self, prev: jax.Array, cos: jax.Array, count: jax.Array) -> jax.Array:
-    """``s_t`` from ``s_{t-1}`` and this step's block cosines (NaN: keep ``s``)."""
-    inv_tau = 1.0 / _schedules.evaluate(self.tau, count)
+    """``s_t`` from ``s_{t-1}`` and this step's block cosines (NaN: keep ``s``),
+    with ``tau`` at this step raised to :data:`TAU_FLOOR`."""
+    inv_tau = 1.0 / jnp.maximum(_schedules.evaluate(self.tau, count), TAU_FLOOR)
     return next_score(prev, cos, inv_tau, self.score_decay)
 
   def measure(self, leaf: _engine.LeafStep) -> tuple[jax.Array, tuple]:
@@ -457,7 +550,9 @@ def alignment_mask(
   update: use :func:`magma_optax.magma` for that.
 
   Args:
-    tau: temperature tau > 0 of the sigmoid (float or schedule).
+    tau: temperature tau >= 1e-3 of the sigmoid (float or schedule). A
+      schedule is checked at step 0 and raised to 1e-3 at every step where it
+      falls below (0 would make the scores NaN).
     keep_prob: probability in (0, 1] of keeping a block (float, schedule, or a
       mapping label -> probability).
     key: PRNG key (int or ``jax.random.key``); keyword-only, default 0.
@@ -492,4 +587,5 @@ def alignment_mask(
   return _engine.BlockMask(
     _arguments.from_arguments(_engine.MaskConfig.create, arguments),
     _arguments.from_arguments(AlignmentRule.create, arguments),
+    name="alignment_mask",
   ).transformation()

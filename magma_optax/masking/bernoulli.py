@@ -132,4 +132,5 @@ def bernoulli_mask(
   return _engine.BlockMask(
     _arguments.from_arguments(_engine.MaskConfig.create, arguments),
     BernoulliRule.create(rescale=rescale),
+    name="bernoulli_mask",
   ).transformation()

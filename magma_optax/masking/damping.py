@@ -84,4 +84,6 @@ def damping(
   config = _engine.MaskConfig.create(
     granularity=granularity, stack_axes=stack_axes, where=where
   )
-  return _engine.BlockMask(config, DampingRule(coefficient)).transformation()
+  return _engine.BlockMask(
+    config, DampingRule(coefficient), name="damping"
+  ).transformation()

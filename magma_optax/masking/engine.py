@@ -286,6 +286,7 @@ class BlockMask:
 
   config: MaskConfig
   rule: Rule
+  name: str = "block mask"  # the public factory, for error messages
 
   @property
   def stateful(self) -> bool:
@@ -353,6 +354,7 @@ class BlockMask:
       return plans, treedef, [None] * len(plans), [None] * len(plans)
     if plans:
       plans = _scoping.match_state(plans, state.mask, treedef)
+      self._check_state_shapes(plans, treedef, updates, state)
     probs = [
       None
       if plan.layout is None
@@ -364,6 +366,29 @@ class BlockMask:
     else:
       masks = [optax.MaskedNode()] * len(plans)
     return plans, treedef, masks, probs
+
+  def _check_state_shapes(self, plans, treedef, updates, state) -> None:
+    """Where the state knows a leaf's shape (per-parameter fields) or its blocks
+    (the last mask), an update of another shape is a ``ValueError`` naming it;
+    with the params, the transforms check against those first."""
+    for name in self.rule.param_fields:
+      _trees.check_shapes(
+        self.name, updates, getattr(state, name), f"the state's {name!r} there"
+      )
+    leaves = treedef.flatten_up_to(updates)
+    masks = treedef.flatten_up_to(state.mask)
+    for plan, x, z in zip(plans, leaves, masks, strict=True):
+      if plan.layout is None or _trees.is_masked(z):
+        continue
+      if tuple(z.shape) != tuple(plan.layout.block_shape):
+        raise ValueError(
+          f"{self.name}: the update (gradient) at {plan.path} has shape"
+          f" {tuple(jnp.shape(x))}, with blocks of shape"
+          f" {tuple(plan.layout.block_shape)}, but the state was built for a"
+          f" parameter with blocks of shape {tuple(z.shape)}. Updates must have"
+          " their parameters' shapes; pass the params to update() to have both"
+          " shapes named."
+        )
 
   def step(
     self,
@@ -443,7 +468,8 @@ class BlockMask:
       return self.init(params)
 
     def update_fn(updates, state, params=None, **extra_args):
-      del params, extra_args
+      del extra_args
+      _trees.check_shapes(self.name, updates, params)
       return self.step(updates, state)
 
     return optax.GradientTransformationExtraArgs(*_shard_map.typed(init_fn, update_fn))

@@ -123,7 +123,9 @@ def magma(
 
   Args:
     base: the base optimizer, e.g. ``optax.adam(1e-3)``.
-    tau: temperature tau > 0 (paper: 2.0); float or schedule.
+    tau: temperature tau >= 1e-3 (paper: 2.0); float or schedule. A schedule is
+      checked at step 0 and raised to 1e-3 at every step where it falls below
+      (0 would make the scores NaN).
     keep_prob: probability p in (0, 1] of keeping a block (paper: 0.5); float,
       schedule, or a mapping label -> probability.
     key: PRNG key (int or ``jax.random.key``); keyword-only, default 0. Masks depend
@@ -174,6 +176,7 @@ def magma(
   mask = _engine.BlockMask(
     _arguments.from_arguments(_engine.MaskConfig.create, arguments),
     _arguments.from_arguments(_alignment.AlignmentRule.create, arguments),
+    name="magma",
   )
 
   def init_fn(params):
@@ -183,7 +186,9 @@ def magma(
     )
 
   def update_fn(updates, state, params=None, **extra_args):
+    _trees.check_shapes("magma", updates, params)
     deltas, inner = base.update(updates, state.inner_state, params, **extra_args)
+    _trees.check_shapes("magma", updates, deltas, "the base optimizer's update")
     found = base_momentum(inner, updates, momentum)
     masked, mask_state = mask.step(
       deltas, state.mask_state, signal=updates, momentum=found
@@ -247,7 +252,9 @@ def skip_update(
     return MaskedUpdateState(base.init(params), mask.init(params))
 
   def update_fn(updates, state, params=None, **extra_args):
+    _trees.check_shapes("skip_update", updates, params)
     deltas, inner = base.update(updates, state.inner_state, params, **extra_args)
+    _trees.check_shapes("skip_update", updates, deltas, "the base optimizer's update")
     masked, mask_state = mask.update(deltas, state.mask_state, params)
     return masked, MaskedUpdateState(inner, mask_state)
 

@@ -50,8 +50,12 @@ class ScopeRow(NamedTuple):
 
 
 class ScopeReport(tuple):
-  """The rows of :func:`scope_report` (a tuple of :class:`ScopeRow`); ``str`` is the
-  table, ``.masked`` the masked rows."""
+  """The rows of :func:`scope_report` (a tuple of :class:`ScopeRow`); ``str`` and
+  ``repr`` are the table (``print(report)``, or a notebook cell ending in it),
+  ``.masked`` the masked rows."""
+
+  def __repr__(self) -> str:
+    return str(self)
 
   @property
   def masked(self) -> tuple[ScopeRow, ...]:
@@ -103,14 +107,15 @@ def scope_report(
   keep_prob: Any = 0.5,
   granularity: _blocks.Granularity = "tensor",
   stack_axes: int | None = None,
-  print_table: bool = True,
+  print_table: bool = False,
 ) -> ScopeReport:
   """Which leaves a mask acts on, with what label, keep probability and blocks.
 
   Plans ``params`` exactly as :func:`magma`, :func:`skip_update`,
   :func:`bernoulli_mask`, :func:`alignment_mask` and :func:`adam_magma` do for the
-  same arguments, on the host (call it before training, not inside the step), and
-  prints the table (path, shape, label, masked, keep probability, block count).
+  same arguments, on the host (call it before training, not inside the step).
+  Print the report for the table (path, shape, label, masked, keep probability,
+  block count); a notebook shows it as the value of a cell.
 
   Args:
     params: the parameter pytree (arrays or ``jax.ShapeDtypeStruct``; an
@@ -120,7 +125,8 @@ def scope_report(
     keep_prob: the transform's ``keep_prob=`` (a float, schedule or mapping).
     granularity: the transform's block granularity.
     stack_axes: the transform's ``stack_axes``.
-    print_table: print the table (default True).
+    print_table: also print the table here (default False: ``print(report)``
+      prints it, once).
 
   Returns:
     A :class:`ScopeReport`: a tuple of :class:`ScopeRow`, one per leaf in
@@ -133,6 +139,7 @@ def scope_report(
     ...                               "bias": jnp.ones(8)}},
     ...           "mlp": {"up": {"kernel": jnp.ones((8, 16))}}}
     >>> report = magma.scope_report(params, where=magma.attention_mlp_weights)
+    >>> print(report)
     path                          shape  dtype    label      masked  keep_prob  blocks
     ----------------------------  -----  -------  ---------  ------  ---------  ------
     ['attn']['q_proj']['bias']    8      float32  other      no      -          -

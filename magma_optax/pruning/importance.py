@@ -1,8 +1,9 @@
 """Importance scores: how much each weight matters, for the pruning masks.
 
 ``"magnitude_grad"`` (default, ``|W| * |g|``), ``"magnitude"`` (``|W|``) or a
-callable ``(param, grad) -> scores``. Scores are float32; NaN becomes ``-inf`` (it
-ranks last) and ``-0.0`` becomes ``+0.0`` (the two tie).
+callable ``(param, grad) -> scores``. A complex weight or gradient counts by its
+magnitude. Scores are float32; NaN becomes ``-inf`` (it ranks last) and ``-0.0``
+becomes ``+0.0`` (the two tie).
 """
 
 from __future__ import annotations
@@ -30,6 +31,13 @@ def validate(importance: Any) -> Importance:
   return importance
 
 
+def _real(x: jax.Array) -> jax.Array:
+  """``x`` as float32; a complex ``x`` as its magnitude (whose abs is itself)."""
+  if jnp.iscomplexobj(x):
+    return jnp.abs(x).astype(jnp.float32)
+  return x.astype(jnp.float32)
+
+
 def scores(
   importance: Importance, param: jax.Array, grad: jax.Array, nan_last: bool = True
 ) -> jax.Array:
@@ -46,14 +54,20 @@ def scores(
     >>> _importance.scores("magnitude_grad", w, g).tolist()
     [3.0, 1.0, -inf]
   """
-  p = param.astype(jnp.float32)
-  g = grad.astype(jnp.float32)
+  p, g = (_real(x) for x in (param, grad))
   if importance == "magnitude_grad":
     s = jnp.abs(p) * jnp.abs(g)
   elif importance == "magnitude":
     s = jnp.abs(p)
   else:
-    s = jnp.asarray(importance(param, grad), jnp.float32)
+    s = importance(param, grad)
+    if jnp.iscomplexobj(s):
+      raise ValueError(
+        f"importance callable returned complex scores ({jnp.result_type(s)}) for"
+        f" a parameter of dtype {param.dtype}; return real scores, e.g."
+        " jnp.abs(param) * jnp.abs(grad)."
+      )
+    s = jnp.asarray(s, jnp.float32)
     if s.shape != param.shape:
       raise ValueError(
         f"importance callable returned shape {s.shape} for a parameter of shape"

@@ -89,6 +89,7 @@ def masked_weight_decay(
         "masked_weight_decay needs params and the extra arg param_mask= (use it"
         " inside periodic_mask, or pass param_mask yourself)."
       )
+    _trees.check_shapes("masked_weight_decay", updates, params)
     if ramp_steps == 0:
       coef = jnp.asarray(strength, jnp.float32)
     else:

@@ -203,7 +203,8 @@ def periodic_mask(
       ``end`` (needs a float ``sparsity`` and ``end``).
     start: first refresh step (>= 0); the mask is all-active before it.
     end: last step at which the mask may change (inclusive), or ``None``.
-    where: which leaves are pruned (``None``: all floating leaves; a callable
+    where: which leaves are pruned (``None``: all floating leaves, real or
+      complex: a complex weight counts by its magnitude; a callable
       ``(path, leaf) -> bool`` such as :func:`attention_mlp_weights`; or a pytree of
       bools). Other leaves are never masked.
     ranking: ``"per_leaf"`` (every leaf reaches the target) or ``"global"`` (one
@@ -363,7 +364,7 @@ class _Pruning:
     )  # fmt: skip
 
   def plan(self, tree):
-    plans, treedef = _scoping.plan_scope(tree, where=self.where)
+    plans, treedef = _scoping.plan_scope(tree, where=self.where, complex_ok=True)
     return plans, treedef
 
   def parts_of(self, plans, tree):
@@ -748,8 +749,12 @@ class _Pruning:
         " its inner optimizer, so it takes none. Use one periodic_mask per"
         " parameter (group them with optax.multi_transform or where=)."
       )
+    _trees.check_shapes("periodic_mask", updates, params)
     plans, treedef = self.plan(updates)
     plans = _scoping.match_state(plans, state.mask, treedef)
+    _trees.check_shapes(
+      "periodic_mask", updates, state.mask, "the mask its state holds there"
+    )
     grads = treedef.flatten_up_to(updates)
     parts = self.parts_of(plans, updates)
     param_leaves = treedef.flatten_up_to(params)

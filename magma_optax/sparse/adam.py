@@ -3,7 +3,7 @@
 The same transformation and state as ``sparse_state(optax.adam(...))``, whose Adam
 step each storage computes itself (:meth:`magma_optax.sparse.storage.Storage.
 fused_adam`): over the active tiles with a fused kernel, or from merged moments that
-XLA updates in place.
+XLA updates in place. Complex leaves take Adam's complex step in XLA.
 """
 
 from __future__ import annotations
@@ -11,11 +11,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import optax
 
 from magma_optax._core import arguments as _arguments
+from magma_optax._core import schedules as _schedules
 from magma_optax._core import scoping as _scoping
+from magma_optax._core import trees as _trees
+from magma_optax._core import xla_cpu as _xla_cpu
 from magma_optax.kernels import dispatch
 from magma_optax.kernels import reference
 from magma_optax.kernels.tiles import api as tiles
@@ -28,10 +32,10 @@ from magma_optax.sparse.state import SparseState
 
 def sparse_adam(
   learning_rate: optax.ScalarOrSchedule,
-  b1: float = 0.9,
-  b2: float = 0.999,
-  eps: float = 1e-8,
-  eps_root: float = 0.0,
+  b1: jax.typing.ArrayLike = 0.9,
+  b2: jax.typing.ArrayLike = 0.999,
+  eps: jax.typing.ArrayLike = 1e-8,
+  eps_root: jax.typing.ArrayLike = 0.0,
   *,
   mode: str = "skip",
   density: float | None = None,
@@ -71,13 +75,19 @@ def sparse_adam(
   Everything is computed in float32 (``optax.adam`` on bfloat16 moments computes
   in bfloat16): on float32 parameters the moments equal those of
   ``sparse_state(optax.adam(...))`` and the updates agree to float32 rounding.
+  Complex leaves take Adam's complex step (``nu`` the EMA of ``|g|^2``, as in
+  ``optax.adam``) in XLA in every storage, whatever ``implementation``.
 
   Args:
     learning_rate: a float or an ``optax`` schedule, as in ``optax.adam``.
-    b1, b2, eps, eps_root: Adam's constants (static floats: with
-      ``optax.inject_hyperparams``, pass
-      ``static_args=magma.sparse_adam.static_args`` -- these and the storage's
-      numbers -- to inject the learning rate).
+    b1, b2, eps, eps_root: Adam's decay rates (in [0, 1)) and epsilons (>= 0):
+      Python floats or scalar arrays, read at run time by every storage's step
+      and kernel, so ``optax.inject_hyperparams(magma.sparse_adam)(...)``
+      injects them like ``optax.adam``'s. The storage's numbers that shape
+      compact storage must stay static: ``static_args=("density",
+      "density_threshold")``, plus ``"axis"`` with ``structure`` (their errors
+      say so); ``magma.sparse_adam.static_args`` lists every argument that may
+      stay static.
     mode: ``"skip"``, ``"compact"`` or ``"offload"``, as in :func:`sparse_state`.
     density, structure, axis, block, shards: the storage, as in
       :func:`sparse_state`.
@@ -105,7 +115,8 @@ def sparse_adam(
     >>> state.inner_state.base_state[0].mu["w"].shape
     (2, 2, 2)
   """
-  constants = _constants(b1, b2, eps, eps_root)
+  _schedules.check_adam(b1, b2, eps, eps_root)
+  constants = reference.AdamConstants(b1, b2, eps, eps_root)
   _check_learning_rate(learning_rate)
   interpret = dispatch.check_interpret(interpret)
   if block is None and implementation not in (None, "xla"):
@@ -122,33 +133,22 @@ def sparse_adam(
     dtypes=(jnp.float32,),
     interpret=interpret,
   )
-  base = optax.adam(learning_rate, *constants[:3], eps_root=constants.eps_root)
+  base = optax.adam(learning_rate, b1, b2, eps, eps_root=eps_root)
   step = _adam_step(learning_rate, constants, implementation, interpret)
   # The step returns frozen moments already (merged, or compact).
   return _step.transformation(
     base, planner, offload_after, step, state_type=SparseState, frozen=True,
-    on_error=on_error,
+    on_error=on_error, name="sparse_adam",
   )  # fmt: skip
 
 
-# What optax.inject_hyperparams must leave static (numbers that shape the step).
+# What optax.inject_hyperparams may leave static: the numbers that shape compact
+# storage (they must be static where they do), and the arguments it would take for
+# schedules (callables) or inject (numbers) although they are neither.
 sparse_adam.static_args = (
-  "b1", "b2", "eps", "eps_root", "density", "density_threshold", "offload_after",
-  "axis", "cache_index", "shards", "where", "interpret",
+  "density", "density_threshold", "offload_after", "axis", "cache_index", "shards",
+  "where", "interpret",
 )  # fmt: skip
-
-
-def _constants(b1, b2, eps, eps_root) -> reference.AdamConstants:
-  constants = []
-  for name, value in (("b1", b1), ("b2", b2), ("eps", eps), ("eps_root", eps_root)):
-    if isinstance(value, bool) or not isinstance(value, int | float):
-      raise ValueError(
-        f"sparse_adam: {name} must be a Python float (static: it is compiled into"
-        f" the step); got {value!r}. With optax.inject_hyperparams, pass"
-        f" static_args=('b1', 'b2', 'eps', 'eps_root')."
-      )
-    constants.append(float(value))
-  return reference.AdamConstants(*constants)
 
 
 def _check_learning_rate(learning_rate: Any) -> None:
@@ -186,7 +186,7 @@ def _adam_step(learning_rate, constants, implementation, interpret):
       interpret=interpret,
     )
     outs = [
-      s.fused_adam(c, mask, g, m, v, args)
+      _leaf_adam(s, c, mask, g, m, v, args)
       for s, c, mask, g, m, v in zip(
         storages, ctx, stored_masks, flat_g, treedef.flatten_up_to(adam.mu),
         treedef.flatten_up_to(adam.nu), strict=True,
@@ -200,3 +200,35 @@ def _adam_step(learning_rate, constants, implementation, interpret):
     return [o.update for o in outs], (adam, lr_state)
 
   return step
+
+
+def _leaf_adam(s, ctx, mask, g, m, v, args) -> tiles.TileAdamOutput:
+  """A leaf's Adam step: its storage's, or for a complex leaf Adam's complex step
+  on its stored entries (the fused real steps would drop ``Im g``)."""
+  if not jnp.iscomplexobj(g):
+    return s.fused_adam(ctx, mask, g, m, v, args)
+  frozen = s.freezable and not _trees.is_masked(mask)
+  return _complex_adam(s.gather(ctx, g), m, v, mask if frozen else None, args)
+
+
+def _complex_adam(g, mu, nu, mask, args) -> tiles.TileAdamOutput:
+  """Adam's step on complex stored entries, as ``optax.adam`` computes it:
+  ``nu`` is the EMA of ``|g|^2`` (real values in the parameter's complex dtype),
+  the update ``m_hat / (sqrt(v_hat + eps_root) + eps)`` complex; frozen where
+  ``mask`` (skip storage) is False."""
+  hyper, constants = args.hyper, args.constants
+  dtype = jnp.promote_types(g.dtype, jnp.complex64)
+  g, m = g.astype(dtype), mu.astype(dtype)
+  v = jnp.real(nu.astype(dtype))
+  new_m = (1 - constants.b1) * g + constants.b1 * m
+  new_v = (1 - constants.b2) * jnp.real(jnp.conj(g) * g) + constants.b2 * v
+  if mask is not None:
+    new_m = _xla_cpu.kept(mask, new_m, m)
+    new_v = _xla_cpu.kept(mask, new_v, v)
+  bc1 = hyper[reference.BIAS_CORRECTION1].astype(new_v.dtype)
+  bc2 = hyper[reference.BIAS_CORRECTION2].astype(new_v.dtype)
+  u = (new_m / bc1) / (jnp.sqrt(new_v / bc2 + constants.eps_root) + constants.eps)
+  u = u * -hyper[reference.LEARNING_RATE].astype(new_v.dtype)
+  return tiles.TileAdamOutput(
+    new_m.astype(mu.dtype), new_v.astype(nu.dtype), u.astype(g.dtype)
+  )

@@ -10,6 +10,7 @@ only transferred when its mask has an active entry.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -124,6 +125,26 @@ def host_offload_available(device: jax.Device | None = None) -> bool:
   return HOST_MEMORY_KIND in kinds
 
 
+def _put(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
+  """``jax.device_put(x, sharding)``, or a jitted copy where the runtime refuses.
+
+  jax 0.12.1's CPU client cannot copy an array that a jitted step wrote to host
+  memory (its layout keeps the memory space) back to device memory; a jitted copy
+  with ``out_shardings`` can.
+  """
+  try:
+    return jax.device_put(x, sharding)
+  except jax.errors.JaxRuntimeError as err:
+    if "UNIMPLEMENTED" not in str(err):
+      raise
+    return _copy_to(sharding)(x)
+
+
+@functools.lru_cache(maxsize=None)
+def _copy_to(sharding: jax.sharding.Sharding) -> Any:
+  return jax.jit(lambda a: a, out_shardings=sharding)
+
+
 def offload_sparse_state(opt_state: Any, params: Any) -> Any:
   """Moves cold leaves' sparse state to host memory and active ones back to device.
 
@@ -181,7 +202,7 @@ def offload_sparse_state(opt_state: Any, params: Any) -> Any:
       want = HOST_MEMORY_KIND if cold[i] else jax.devices()[0].default_memory().kind
       if sharding.memory_kind == want:
         return x
-      return jax.device_put(x, sharding.with_memory_kind(want))
+      return _put(x, sharding.with_memory_kind(want))
 
     # Without shapes: compact tile buffers have their stored shapes; base_state
     # holds only per-entry state of the stored tree, and a scalar such as a count

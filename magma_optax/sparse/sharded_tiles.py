@@ -170,11 +170,16 @@ class ShardedTiles(_storage.Storage):
 
   def fused_adam(self, ctx, mask, g, m, v, args):
     del mask
-    # One step per part, batched over them; count and learning rate come in as
-    # arguments (under Explicit axes the parts run with the axes as Auto).
+    # One step per part, batched over them; count, learning rate and injected
+    # (array) constants come in as arguments (under Explicit axes the parts run
+    # with the axes as Auto).
     g = _geometry.split_parts(g, self.parts)
-    step = lambda g, m, v, c, n, lr: _tiles.tile_step(g, m, v, c, n, lr, args)  # noqa: E731
-    axes = (0, 0, 0, 0, None, None)
+
+    def step(g, m, v, c, n, lr, arrays):
+      return _tiles.tile_step(g, m, v, c, n, lr, args, arrays)
+
+    axes = (0, 0, 0, 0, None, None, None)
+    arrays = _tiles.constant_arrays(args.constants)
     return self.per_part(
-      step, g, m, v, ctx, args.count, args.learning_rate, in_axes=axes
+      step, g, m, v, ctx, args.count, args.learning_rate, arrays, in_axes=axes
     )

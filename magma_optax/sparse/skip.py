@@ -38,6 +38,6 @@ class Skip(_storage.Storage):
     # The frozen moments merged first (reference.moments keeps them), and the
     # update computed from them as stored: XLA writes them in place and the
     # update's loop reads them there (_xla_cpu.in_place).
-    m32, v32 = reference.moments(g, m, v, args.constants, mask)
+    m32, v32 = reference.moments(g, m, v, args.hyper, mask)
     m32, v32 = _xla_cpu.in_place((m32.astype(m.dtype), v32.astype(v.dtype)))
     return _storage.adam_update(m32, v32, g, m, v, args)

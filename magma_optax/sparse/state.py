@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from magma_optax._core import arguments as _arguments
+from magma_optax._core import compat as _compat
 from magma_optax._core import geometry as _geometry
 from magma_optax._core import scoping as _scoping
 from magma_optax.sparse import step as _step
@@ -117,6 +118,12 @@ def sparse_state(
       than ``n`` active entries is a capacity overflow. ``m > 32``: flat storage of
       exact capacity ``size * n / m``.
     axis: the axis of the N:M groups (default: the last, as ``periodic_mask``).
+      The numbers that shape compact storage -- ``density``,
+      ``density_threshold`` and, with ``structure``, ``axis`` -- must be Python
+      numbers: under ``optax.inject_hyperparams``, which injects every numeric
+      argument as an array, list them in ``static_args`` (their error names
+      them). Where the storage does not use them (skip storage, ``axis`` without
+      ``structure``) the injected arrays are ignored.
     block: ``(r, c)`` for tile masks (whole ``r x c`` tiles of the last two axes
       kept or pruned, as ``periodic_mask(..., block=(r, c))`` makes them), with
       ``mode="compact"`` (or ``"offload"``: the same storage, whose buffers can move
@@ -146,9 +153,9 @@ def sparse_state(
     density_threshold: leaves with capacity above this fraction of their size use
       skip storage (default 0.6).
     offload_after: K >= 1, steps of an all-inactive mask after which a leaf is cold
-      (offload mode).
-    where: which leaves get sparse storage (``None``: all floating leaves); others
-      are updated densely by ``base``.
+      (offload mode); read at run time (an injected array is fine).
+    where: which leaves get sparse storage (``None``: all floating leaves, real or
+      complex, in every storage); others are updated densely by ``base``.
     cache_index: unstructured compact storage (``density`` without ``structure``
       or ``block``) keeps the int32 indices of its stored entries (4 bytes per
       slot) so that their index is rebuilt only when the mask changes (default).
@@ -257,20 +264,25 @@ class Planner:
       structure = _geometry.validate_nm_structure(structure)
       if density is not None:
         raise ValueError("give density or structure, not both.")
-    if density is not None and not (
-      isinstance(density, numbers.Real)  # Python or numpy scalars
-      and not isinstance(density, bool)
-      and 0.0 < float(density) <= 1.0
-    ):
-      hint = ""
-      if isinstance(density, jax.Array):
-        hint = (
-          " It sizes the compact buffers, so it must be a Python number: with"
-          " optax.inject_hyperparams, pass static_args=('density',)."
-        )
-      raise ValueError(f"density must be a float in (0, 1]; got {density!r}.{hint}")
+    # optax.inject_hyperparams injects every numeric argument, defaults included,
+    # as arrays (traced under jit): the numbers that shape compact storage must be
+    # static (an error naming static_args); the others accept its arrays.
+    compact = density is not None or structure is not None
+    static = tuple(
+      name
+      for name, shapes in (
+        ("density", density is not None),
+        ("density_threshold", compact),
+        ("axis", structure is not None),
+      )
+      if shapes
+    )
     if density is not None:
-      density = float(density)
+      density = float(
+        _storage_number(
+          "density", density, "a float in (0, 1]", lambda x: 0.0 < x <= 1.0, static
+        )
+      )
     if block is not None:
       block = _geometry.validate_block(block)
       if mode == "skip" or density is None or structure is not None:
@@ -280,47 +292,40 @@ class Planner:
           f" structure; got"
           f" mode={mode!r}, density={density!r}, structure={structure!r}."
         )
-    if mode == "skip" and (density is not None or structure is not None):
+    if mode == "skip" and compact:
       raise ValueError(
         f"density= and structure= size compact storage; mode='skip' keeps every"
         f" entry's state and takes neither (got density={density!r},"
         f" structure={structure!r}). Use mode='compact' to store active entries only."
       )
     shards = _geometry.validate_shards(shards, block, "sparse_state")
-    if mode == "compact" and density is None and structure is None:
+    if mode == "compact" and not compact:
       raise ValueError(
         "mode='compact' needs density= (the largest active fraction per leaf, in"
         " (0, 1]) or structure=(n, m) to size its fixed-capacity buffers."
       )
-    if not isinstance(density_threshold, int | float) or not (
-      0.0 <= density_threshold <= 1.0
-    ):
-      raise ValueError(
-        f"density_threshold must lie in [0, 1]; got {density_threshold!r}."
-      )
-    if (
-      isinstance(offload_after, bool)
-      or not isinstance(offload_after, int)
-      or (offload_after < 1)
-    ):
-      raise ValueError(
-        f"offload_after must be an int >= 1; got {offload_after!r}. (With"
-        " optax.inject_hyperparams, pass static_args=('axis', 'offload_after').)"
-      )
+    density_threshold = _storage_number(
+      "density_threshold", density_threshold, "a float in [0, 1]",
+      lambda x: 0.0 <= x <= 1.0, static if compact else None,
+    )  # fmt: skip
+    # A run-time value in every mode (compared with each leaf's count of steps).
+    _storage_number(
+      "offload_after", offload_after, "an int >= 1",
+      lambda x: isinstance(x, numbers.Integral) and x >= 1, None,
+    )  # fmt: skip
     if not isinstance(cache_index, bool):
       raise ValueError(f"cache_index must be True or False; got {cache_index!r}.")
-    if isinstance(axis, bool) or not isinstance(axis, int):
-      raise ValueError(
-        f"axis must be an int; got {axis!r}. (With optax.inject_hyperparams, pass"
-        " static_args=('axis', 'offload_after').)"
-      )
+    axis = _storage_number(
+      "axis", axis, "an int", lambda x: isinstance(x, numbers.Integral),
+      static if structure is not None else None,
+    )  # fmt: skip
     return cls(
       mode, density, structure, axis, block, shards, density_threshold, where,
       cache_index,
     )  # fmt: skip
 
   def __call__(self, tree: Any) -> tuple[list[_storage.Storage], Any]:
-    plans, treedef = _scoping.plan_scope(tree, where=self.where)
+    plans, treedef = _scoping.plan_scope(tree, where=self.where, complex_ok=True)
     paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
     leaves = treedef.flatten_up_to(tree)
     storages = [
@@ -384,3 +389,38 @@ class Planner:
         f" shape {shape}."
       )
     return Groups(tuple(shape), axis % ndim, *structure)
+
+
+def _storage_number(
+  name: str, value: Any, valid: str, ok: Any, static: tuple[str, ...] | None
+) -> Any:
+  """``value``, a storage argument, checked: ``ok(x)`` for a Python number ``x``.
+
+  A JAX array -- ``optax.inject_hyperparams`` passes one for every numeric argument,
+  traced under ``jit`` -- is refused where the argument shapes the storage
+  (``static``: the ``static_args`` to name) and otherwise taken as given (checked
+  if concrete): the chosen storage ignores it, or reads it at run time.
+
+  Raises:
+    ValueError: naming the argument, the value, what is valid and, for an array
+      that must be static, the ``static_args`` to pass.
+  """
+  if isinstance(value, jax.Array):
+    if static is not None:
+      raise ValueError(
+        f"{name} must be static ({valid}, a Python number): it shapes compact"
+        f" storage; got {value!r}. With optax.inject_hyperparams, pass"
+        f" static_args={static!r}."
+      )
+    if _compat.is_tracer(value):
+      return value
+    probe = value.item() if value.ndim == 0 else value
+  else:
+    probe = value
+  if (
+    isinstance(probe, bool)
+    or not isinstance(probe, numbers.Real)  # Python or numpy scalars
+    or not ok(probe)
+  ):
+    raise ValueError(f"{name} must be {valid}; got {value!r}.")
+  return value

@@ -35,14 +35,23 @@ REMAP_BYTES = 2**21
 
 
 def transformation(
-  base, planner, offload_after, step, *, state_type, frozen=False, on_error="raise"
+  base,
+  planner,
+  offload_after,
+  step,
+  *,
+  state_type,
+  frozen=False,
+  on_error="raise",
+  name="sparse_state",
 ) -> optax.GradientTransformationExtraArgs:
   """The transformation over ``base``'s state at the storages' shapes.
 
   ``planner(tree) -> (storages, treedef)``; ``step`` computes the stored updates
   and the new base state (:func:`base_step`), with the frozen entries already kept
   if ``frozen``; ``state_type``: the state (:class:`magma_optax.SparseState`);
-  ``on_error``: how a failed check of a mask is reported (:data:`errors.ON_ERROR`).
+  ``on_error``: how a failed check of a mask is reported (:data:`errors.ON_ERROR`);
+  ``name``: the public factory, for error messages.
   """
   if on_error not in _errors.ON_ERROR:
     raise ValueError(
@@ -50,7 +59,7 @@ def transformation(
       f" mask that compact storage cannot hold); got {on_error!r}."
     )
   t = _Transform(
-    base, planner, offload_after, step, state_type, frozen, on_error == "record"
+    base, planner, offload_after, step, state_type, frozen, on_error == "record", name
   )
   return optax.GradientTransformationExtraArgs(
     *_shard_map.typed(t.init, t.update, param_mask=True)
@@ -118,6 +127,7 @@ class _Transform:
   state_type: Any
   frozen: bool
   record: bool
+  name: str = "sparse_state"  # the public factory, for error messages
 
   # --- init ------------------------------------------------------------------------
 
@@ -162,10 +172,13 @@ class _Transform:
     return _errors.no_records(sum(s.compact for s in storages))
 
   def check_state(self, state: Any, updates: Any) -> None:
-    """A state whose stored shapes are not this storage's (built with other
-    arguments, e.g. restored after ``shards`` or ``density`` changed) is a
-    ``ValueError`` that says where, not a shape error deep in the step."""
+    """Gradients whose tree is not the one the state was built for, and a state
+    whose stored shapes are not what these gradients need (gradients of other
+    shapes than the parameters', or a state built with other arguments, e.g.
+    restored after ``shards`` or ``density`` changed), raise a ``ValueError``
+    that says where, not a shape error deep in the step."""
     want = jax.eval_shape(self.init, updates)
+    _check_tree(self.name, state, want, updates)
     got = jax.tree_util.tree_flatten_with_path(state)[0]
     if len(got) == len(jax.tree.leaves(want)):
       for (path, x), w in zip(got, jax.tree.leaves(want), strict=True):  # noqa: B007
@@ -173,15 +186,24 @@ class _Transform:
           break
       else:
         return
-      where = f"at {jax.tree_util.keystr(path)} shape {tuple(jnp.shape(x))}, this"
-      where += f" storage keeps {tuple(w.shape)}"
+      where = f"at {jax.tree_util.keystr(path)} shape {tuple(jnp.shape(x))}, where"
+      where += f" these gradients need {tuple(w.shape)}"
+      state_path = jax.tree_util.keystr(path)
+      for grad_path, g in jax.tree_util.tree_flatten_with_path(updates)[0]:
+        if state_path.endswith(jax.tree_util.keystr(grad_path)):
+          where += (
+            f"; the gradient at {jax.tree_util.keystr(grad_path)} has shape"
+            f" {tuple(jnp.shape(g))}"
+          )
+          break
     else:
       where = "its structure differs"
     raise ValueError(
-      f"sparse_state: the state was not built by this transform's init ({where})."
-      " Was it built with other storage arguments (mode, density, structure,"
-      " block, shards, where, density_threshold, on_error)? Use the same ones,"
-      " or call init again."
+      f"{self.name}: the state does not fit these gradients ({where}). Do the"
+      " gradients have their parameters' shapes? Else the state was not built by"
+      " this transform's init: was it built with other storage arguments (mode,"
+      " density, structure, block, shards, where, density_threshold, on_error)?"
+      " Use the same ones, or call init again."
     )
 
   # --- update ----------------------------------------------------------------------
@@ -196,6 +218,7 @@ class _Transform:
     mask_promises=None,
     **extra_args,
   ):
+    _trees.check_shapes(self.name, updates, params)
     self.check_state(state, updates)
     storages, treedef = self.planner(updates)
     shapes = [s.stored_shape for s in storages]
@@ -689,4 +712,29 @@ def _value_dependent_init(base, params, treedef, storages) -> str | None:
     " builds the base's state from zero parameters there, so it would start from"
     " other values. Use mode='skip' for this base (it keeps every entry's state),"
     " or scope these leaves out with `where`."
+  )
+
+
+def _check_tree(name: str, state: Any, want: Any, updates: Any) -> None:
+  """Raises ``ValueError`` where the gradients' tree is not the one ``state`` was
+  built for (one entry per leaf, whatever its storage: the parameters' tree)."""
+
+  def tree_of(s):
+    return jax.tree.structure(s.inactive_steps, is_leaf=_trees.is_masked)
+
+  if tree_of(state) == tree_of(want):
+    return
+  got = jax.tree_util.tree_flatten_with_path(state.inactive_steps, _trees.is_masked)
+  paths = {jax.tree_util.keystr(p) for p, _ in got[0]}
+  grads = jax.tree_util.tree_flatten_with_path(updates)[0]
+  extra = sorted({jax.tree_util.keystr(p) for p, _ in grads} - paths)
+  missing = sorted(paths - {jax.tree_util.keystr(p) for p, _ in grads})
+  raise ValueError(
+    f"{name}: the gradients' tree is not the parameter tree this state was"
+    f" built for (by init). Leaves of the gradients that the state has not:"
+    f" {extra[:3] or 'none'}{' ...' if len(extra) > 3 else ''}; leaves of"
+    f" the state that the gradients have not: {missing[:3] or 'none'}"
+    f"{' ...' if len(missing) > 3 else ''}. Pass gradients with the"
+    " parameters' tree (the same containers, e.g. both nnx.State or both"
+    " dicts), or call init with the tree the gradients have."
   )

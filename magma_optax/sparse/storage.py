@@ -77,11 +77,19 @@ def reject_explicit(grad: Any, mask: Any, what: str, items: str) -> None:
   """Flat (index-addressed) storages cannot follow an ``Explicit`` sharding."""
   axes = explicit_axes(grad) | explicit_axes(mask)
   if axes:
+    fix = (
+      " For tile storage, keep one per shard instead: give periodic_mask and"
+      " sparse_state / sparse_adam the same"
+      " shards=magma.sharding.tile_shards(params)."
+      if items == "tiles"
+      else ""
+    )
     raise ValueError(
       f"sparse_state: {what} does not support leaves sharded over Explicit mesh"
       f" axes ({sorted(axes)}): it keeps one vector of the active {items} per"
-      " leaf, addressed by global indices. Use mode='skip', or N:M compact"
-      " storage (structure=(n, m)), which keeps the parameter's sharding."
+      f" leaf, addressed by global indices.{fix} Or use mode='skip', or N:M"
+      " compact storage (structure=(n, m)), which keeps the parameter's sharding."
+      " (jax.make_mesh gives Explicit axes unless axis_types= says otherwise.)"
     )
 
 
@@ -112,7 +120,7 @@ class AdamArgs(NamedTuple):
   count: jax.Array
   learning_rate: Any
   hyper: Any  # reference.hyperparams(count, lr, 0, constants)
-  constants: reference.AdamConstants
+  constants: reference.AdamConstants  # Python floats or (injected) arrays
   implementation: Any
   interpret: Any
 
@@ -263,15 +271,15 @@ class Storage:
     """:func:`magma_optax.sparse_adam`'s step for this leaf: Adam's element-wise
     step on the stored entries, in XLA (moments, then the update)."""
     g = self.gather(ctx, g)
-    m32, v32 = reference.moments(g, m, v, args.constants, None)
+    m32, v32 = reference.moments(g, m, v, args.hyper, None)
     return adam_update(m32, v32, g, m, v, args)
 
 
 def adam_update(m32, v32, g, m, v, args: AdamArgs) -> tiles.TileAdamOutput:
   """The stored moments and Adam's update computed from them (float32)."""
   u = reference.update(
-    m32.astype(jnp.float32), v32.astype(jnp.float32), args.hyper, args.constants,
-    layout=None, dtype=g.dtype,
+    m32.astype(jnp.float32), v32.astype(jnp.float32), args.hyper, layout=None,
+    dtype=g.dtype,
   )  # fmt: skip
   return tiles.TileAdamOutput(m32.astype(m.dtype), v32.astype(v.dtype), u)
 

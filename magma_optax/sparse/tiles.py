@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -307,12 +308,23 @@ class Tiles(_storage.Storage):
 
   def fused_adam(self, ctx, mask, g, m, v, args):
     del mask
-    return tile_step(g, m, v, ctx, args.count, args.learning_rate, args)
+    arrays = constant_arrays(args.constants)
+    return tile_step(g, m, v, ctx, args.count, args.learning_rate, args, arrays)
 
 
-def tile_step(g, m, v, ctx, count, learning_rate, args: _storage.AdamArgs):
-  """:func:`magma_optax.kernels.tile_adam` on a leaf (or part) of tile storage."""
-  c = args.constants
+def constant_arrays(constants: Any) -> dict[str, Any]:
+  """Adam's constants given as arrays (injected), for a step that takes them as
+  arguments (a per-part step needs its arrays passed in); Python floats stay
+  closed over (``1 - b`` in double, as ``optax.adam``)."""
+  return {
+    k: x for k, x in constants._asdict().items() if not isinstance(x, int | float)
+  }
+
+
+def tile_step(g, m, v, ctx, count, learning_rate, args: _storage.AdamArgs, arrays):
+  """:func:`magma_optax.kernels.tile_adam` on a leaf (or part) of tile storage;
+  ``arrays``: :func:`constant_arrays` of ``args.constants``."""
+  c = args.constants._replace(**arrays)
   return tiles.tile_adam(
     g, m, v, ctx, count=count, learning_rate=learning_rate, b1=c.b1, b2=c.b2,
     eps=c.eps, eps_root=c.eps_root, implementation=args.implementation,

@@ -1,6 +1,7 @@
 """Tests for magma_optax.demo.corpus: file list, split, batch iterators, bad input."""
 
 import os
+import pathlib
 
 import numpy as np
 import pytest
@@ -121,3 +122,45 @@ def test_bad_load_arguments():
     corpus.validation_batches(
       np.zeros(50, np.uint8), batch_size=1, seq_len=4, num_batches=0
     )
+
+
+def test_stdlib_sources_lists_every_py_file_but_third_party(tmp_path):
+  for name in ("a.py", "b.txt", "pkg/z.py", "pkg/__init__.py", "pkg/sub/y.py",
+               "site-packages/third.py", "dist-packages/third.py",
+               "__pycache__/a.py", "pkg/site-packages/x.py"):  # fmt: skip
+    (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / name).write_bytes(b"x = 1\n")
+  (tmp_path / "linked").symlink_to(tmp_path / "pkg", target_is_directory=True)
+  assert corpus.stdlib_sources(str(tmp_path)) == (
+    "a.py", "pkg/__init__.py", "pkg/sub/y.py", "pkg/z.py"
+  )  # fmt: skip
+
+
+def test_stdlib_sources_of_this_interpreter():
+  root = corpus.stdlib_dir()
+  files = corpus.stdlib_sources()
+  assert files == corpus.stdlib_sources() and list(files) == sorted(set(files))
+  assert set(corpus.STDLIB_FILES) <= set(files)
+  # Independent listing: pathlib's glob, third-party folders filtered after.
+  third_party = {"site-packages", "dist-packages"}
+  expected = sorted(
+    p.relative_to(root).as_posix()
+    for p in pathlib.Path(root).rglob("*.py")
+    if not third_party & set(p.relative_to(root).parts)
+  )
+  assert list(files) == expected
+  data = corpus.load(files)
+  assert data.files == files and len(data.train) > 5 * len(corpus.load().train)
+
+
+def test_train_starts_are_train_batches_windows():
+  data = np.random.default_rng(0).integers(0, 256, 1000).astype(np.uint8)
+  starts = corpus.train_starts(data, batch_size=5, seq_len=12, num_batches=4, seed=7)
+  assert starts.shape == (4, 5)
+  it = corpus.train_batches(data, batch_size=5, seq_len=12, seed=7)
+  for row in starts:
+    np.testing.assert_array_equal(data[row[:, None] + np.arange(13)], next(it))
+  with pytest.raises(ValueError, match="num_batches"):
+    corpus.train_starts(data, batch_size=5, seq_len=12, num_batches=0)
+  with pytest.raises(ValueError, match="exceeds"):
+    corpus.train_starts(data, batch_size=5, seq_len=1000, num_batches=1)

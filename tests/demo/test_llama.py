@@ -1,5 +1,8 @@
 """Tests for magma_optax.demo.llama: shapes, labels, RoPE, causality, training."""
 
+import math
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -198,3 +201,46 @@ def test_causal_attention_matches_jax_reference():
   q, k, v = (jnp.asarray(rng.normal(size=(2, 9, 3, 4)), jnp.float32) for _ in "qkv")
   ref = jax.nn.dot_product_attention(q, k, v, is_causal=True)
   np.testing.assert_allclose(llama.causal_attention(q, k, v), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_paper60m_is_the_papers_body_with_a_byte_vocabulary():
+  from flax import nnx
+
+  c = llama.LlamaConfig.preset("paper60m")
+  assert (c.dim, c.n_layers, c.n_heads, c.mlp_dim) == (512, 8, 8, 1376)
+  shapes = nnx.state(nnx.eval_shape(lambda: llama.Llama(c, rngs=nnx.Rngs(0))))
+  count = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+  assert count == _expected_count(c) == 25_567_744
+  # The paper's "60M" counts a 32k-token embedding and head.
+  assert _expected_count(llama.LlamaConfig.paper60m(vocab_size=32000)) == 58_073_600
+
+
+def _dot_operand_types(config, batch):
+  graphdef, params = llama.init_params(config, seed=0)
+  text = jax.jit(lambda p: llama.loss_fn(graphdef, p, batch)).lower(params).as_text()
+  return re.findall(r"stablehlo\.dot_general.*:\s*\(tensor<[^>]*x(\w+)>", text)
+
+
+def test_bf16_matmuls_in_attention_and_mlp(batch):
+  f32 = CONFIG
+  bf16 = llama.LlamaConfig.tiny(dim=32, n_layers=2, n_heads=2, mlp_dim=48,
+                                dtype=jnp.bfloat16)  # fmt: skip
+  batch = jnp.asarray(batch)
+  # Per layer: q, k, v, o, gate, up, down and attention's two products; the
+  # head stays float32. Positive control: the float32 model has no bf16 dot.
+  assert _dot_operand_types(f32, batch) == ["f32"] * 19
+  types = _dot_operand_types(bf16, batch)
+  assert sorted(types) == ["bf16"] * 18 + ["f32"]
+  graphdef, params = llama.init_params(bf16, seed=0)
+  _, params32 = llama.init_params(f32, seed=0)
+  loss, grads = jax.value_and_grad(lambda p: llama.loss_fn(graphdef, p, batch))(params)
+  reference = llama.loss_fn(llama.init_params(f32, seed=0)[0], params32, batch)
+  np.testing.assert_allclose(float(loss), float(reference), rtol=1e-2)
+  assert {x.dtype for x in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
+  assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, "nonsense", bool])
+def test_bad_dtype(dtype):
+  with pytest.raises(ValueError, match="dtype"):
+    llama.LlamaConfig(dtype=dtype)

@@ -4,6 +4,7 @@ Pallas runs in interpret mode on CPU, so shapes are small and every grid has at 
 16 steps (the block sizes are chosen per case).
 """
 
+import _hlo
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +14,9 @@ from magma_optax import kernels
 from magma_optax._core import blocks as _blocks
 from magma_optax._core import compat as _compat
 from magma_optax.kernels import api
+from magma_optax.kernels import dispatch
 from magma_optax.kernels import partitioned
+from magma_optax.kernels import reference
 from magma_optax.kernels import triton as pallas_gpu
 
 B1, B2, EPS = 0.9, 0.999, 1e-8
@@ -275,10 +278,19 @@ def test_explicit_pallas_off_accelerator_fails_with_reason():
 def test_default_and_sequence_fall_back_to_xla():
   layout = _blocks.block_layout((4, 4), "tensor")
   col = _blocks.block_layout((4, 4), "column")
-  want = "xla" if jax.default_backend() == "cpu" else "pallas"
   # The default is XLA until benchmarks/gpu_check.py has validated the kernel.
   assert kernels.resolve_implementation(None, layout=layout) == "xla"
-  assert kernels.resolve_implementation(("pallas", "xla"), layout=layout) == want
+  # A sequence is resolved per platform the step is lowered for: the kernel on a
+  # GPU or a TPU, XLA elsewhere (here, the CPU), with the XLA path's values.
+  seq = ("pallas", "xla")
+  assert kernels.resolve_implementation(seq, layout=layout) == "pallas"
+  assert dispatch.off_device(seq) == "xla" and dispatch.off_device("pallas") is None
+  g, m, v, _, _ = _inputs((4, 4), jnp.float32)
+  kw = dict(count=2, learning_rate=1e-2, scale=jnp.asarray(0.5))
+  got = kernels.masked_adam(g, m, v, implementation=seq, **kw)
+  want = kernels.masked_adam(g, m, v, implementation="xla", **kw)
+  for a, b in zip(got, want, strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
   assert (
     kernels.resolve_implementation("pallas", layout=layout, interpret=True) == "pallas"
   )
@@ -292,8 +304,8 @@ def test_default_and_sequence_fall_back_to_xla():
     kernels.resolve_implementation((), layout=layout)
   with pytest.raises(ValueError, match="contiguous"):
     pallas_gpu.masked_adam_pallas(
-      jnp.ones((4, 4)), jnp.ones((4, 4)), jnp.ones((4, 4)), jnp.ones(4),
-      kernels.AdamConstants(), layout=col, interpret=True,
+      jnp.ones((4, 4)), jnp.ones((4, 4)), jnp.ones((4, 4)), jnp.ones(16),
+      layout=col, interpret=True,
     )  # fmt: skip
 
 
@@ -320,33 +332,6 @@ def test_shape_checks():
     )  # fmt: skip
 
 
-def _abstract_gpu(entry):
-  """A context in which jax lowers for an H100 though none is attached.
-
-  jax >= 0.11 asks Pallas' Triton lowering for the target GPU (a real one, or an
-  abstract device on an abstract mesh); older versions lower without asking, and
-  get no abstract mesh (``custom_partitioning`` cannot lower under one).
-  """
-  import contextlib
-
-  if not _compat.TRITON_DEPRECATED:
-    return contextlib.nullcontext()
-  if not hasattr(jax.sharding, "AbstractDevice"):
-    pytest.skip(f"jax {jax.__version__} has no jax.sharding.AbstractDevice")
-  if entry is partitioned.masked_adam_pallas_partitioned:
-    pytest.skip(
-      f"jax {jax.__version__}: Triton lowering without a GPU needs an abstract mesh,"
-      " and custom_partitioning cannot lower under one (covered on jax < 0.11)"
-    )
-  device = jax.sharding.AbstractDevice(
-    device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"
-  )
-  mesh = jax.sharding.AbstractMesh(
-    (1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=device
-  )
-  return jax.sharding.use_abstract_mesh(mesh)
-
-
 @pytest.mark.parametrize(
   "entry",
   [pallas_gpu.masked_adam_pallas, partitioned.masked_adam_pallas_partitioned],
@@ -370,16 +355,17 @@ def test_pallas_kernel_lowers_to_triton_without_a_gpu(masked, entry):
 
   def fused(g, m, v, p, pm, scale, hyper):
     return entry(
-      g, m, v, hyper, kernels.AdamConstants(), scale=scale, layout=layout,
+      g, m, v, hyper, scale=scale, layout=layout,
       param_mask=pm if masked else None, params=None if masked else p,
     )  # fmt: skip
 
   spec = jax.ShapeDtypeStruct
   args = [spec(shape, dtype)] * 4 + [
-    spec(shape, jnp.bool_), spec((100,), jnp.float32), spec((4,), jnp.float32),
+    spec(shape, jnp.bool_), spec((100,), jnp.float32),
+    spec((reference.NUM_HYPERPARAMS,), jnp.float32),
   ]  # fmt: skip
   triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-  with warnings.catch_warnings(record=True) as caught, _abstract_gpu(entry):
+  with warnings.catch_warnings(record=True) as caught, _hlo.abstract_gpu():
     warnings.simplefilter("always")
     exported = export.export(
       jax.jit(fused), platforms=["cuda"], disabled_checks=[triton]
@@ -400,15 +386,22 @@ def test_default_path_lowers_no_pallas_kernel_and_no_triton_warning(monkeypatch)
   import optax
 
   import magma_optax as magma
+  from magma_optax.kernels import grouped
 
   calls = []
-  kernel = pallas_gpu.masked_adam_pallas
 
-  def counted(*args, **kwargs):
-    calls.append(1)
-    return kernel(*args, **kwargs)
+  def counted(kernel):
+    def call(*args, **kwargs):
+      calls.append(kernel.__name__)
+      return kernel(*args, **kwargs)
 
-  monkeypatch.setattr(pallas_gpu, "masked_adam_pallas", counted)
+    return call
+
+  for module, name in (
+    (pallas_gpu, "masked_adam_pallas"),
+    (grouped, "masked_adam_grouped"),
+  ):
+    monkeypatch.setattr(module, name, counted(getattr(module, name)))
   params = {"w": jnp.ones((8, 16)), "b": jnp.ones(16)}
 
   def steps(*txs):
@@ -421,7 +414,13 @@ def test_default_path_lowers_no_pallas_kernel_and_no_triton_warning(monkeypatch)
   assert not steps(magma.adam_magma(1e-3), magma.magma(optax.adam(1e-3)))
   assert not calls
   steps(magma.adam_magma(1e-3, implementation="pallas", interpret=True))
-  assert len(calls) == 2  # one kernel per leaf
+  assert calls == ["masked_adam_grouped"]  # one kernel call for both leaves
+  steps(
+    magma.adam_magma(
+      1e-3, implementation="pallas", interpret=True, block_sizes=kernels.BlockSizes()
+    )
+  )
+  assert calls[1:] == ["masked_adam_pallas"] * 2  # the per-leaf kernel, per leaf
 
 
 def test_pallas_under_vmap_matches_xla_per_example():

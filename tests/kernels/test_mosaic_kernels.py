@@ -2,7 +2,7 @@
 
 ``interpret="tpu"`` runs :mod:`pallas_tpu` in ``pltpu.InterpretParams()`` (jax 0.10.2
 and 0.12), ``interpret="gpu"`` runs :mod:`pallas_mgpu` in
-``plgpu.InterpretGPUParams()`` (jax >= 0.12; skipped with the reason on older jax).
+``plgpu.InterpretGPUParams()`` (jax >= 0.11.2; skipped with the reason on older jax).
 The reference is the XLA path (:mod:`reference`), itself checked against float64
 numpy in test_masked_adam.py. Fresh random inputs per case; every grid has at most
 16 steps.
@@ -33,7 +33,7 @@ from magma_optax.kernels import mosaic_tpu as pallas_tpu
 
 NO_GPU_INTERPRETER = (
   f"jax {jax.__version__} has no Mosaic GPU interpreter"
-  " (plgpu.InterpretGPUParams is public from jax 0.12)"
+  " (plgpu.InterpretGPUParams is public from jax 0.11.2)"
 )
 INTERPRETERS = [
   "tpu",
@@ -239,11 +239,11 @@ def test_missing_interpreter_names_the_jax_version():
   if _compat.has_mosaic_gpu():
     assert dispatch.check_interpret("gpu") == "gpu"  # the positive control
     return
-  with pytest.raises(ValueError, match=r"jax >= 0\.12") as err:
+  with pytest.raises(ValueError, match=r"jax >= 0\.11\.2") as err:
     kernels.masked_adam(g, g, g, count=1, learning_rate=1e-3, interpret="gpu")
   assert jax.__version__ in str(err.value)
   # Also through the default implementation (an interpreter request is explicit).
-  with pytest.raises(ValueError, match=r"jax >= 0\.12"):
+  with pytest.raises(ValueError, match=r"jax >= 0\.11\.2"):
     kernels.masked_adam(
       g, g, g, count=1, learning_rate=1e-3, implementation=None, interpret="gpu"
     )
@@ -270,7 +270,8 @@ def test_pallas_picks_the_backends_kernel(monkeypatch, backend, device, want):
   if device is not None:
     monkeypatch.setattr(jax, "devices", lambda *a: [device])
   if want == "hopper":
-    want = "mosaic_gpu" if _compat.has_mosaic_gpu() else "triton"
+    mosaic_gpu = _compat.JAX_VERSION >= dispatch.MOSAIC_GPU_FROM
+    want = "mosaic_gpu" if _compat.has_mosaic_gpu() and mosaic_gpu else "triton"
   assert dispatch.pallas_backend(False) == want
   assert dispatch.pallas_backend("tpu") == "mosaic_tpu"
   assert dispatch.pallas_backend(True) == "triton"
@@ -283,7 +284,7 @@ def test_mosaic_gpu_tiles_fit_bulk_copies():
   g = jnp.ones((4, 8))
   with pytest.raises(ValueError, match="multiple of 4"):
     pallas_mgpu.masked_adam_pallas_mgpu(
-      g, g, g, jnp.ones(4), kernels.AdamConstants(), interpret=True,
+      g, g, g, jnp.ones(16), interpret=True,
       block_sizes=kernels.BlockSizes(2, 8),
     )  # fmt: skip
 

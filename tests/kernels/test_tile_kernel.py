@@ -3,7 +3,7 @@
 The reference gathers the active tiles of g with a fill for the empty slots and runs
 :func:`reference.tile_adam` on them (the XLA path of compact tile storage). Mosaic TPU
 runs in ``pltpu.InterpretParams()`` and Triton in the generic interpreter (both jax
-lines), Mosaic GPU in ``plgpu.InterpretGPUParams()`` (jax >= 0.12; skipped with the
+lines), Mosaic GPU in ``plgpu.InterpretGPUParams()`` (jax >= 0.11.2; skipped with the
 reason on older jax). Grids have at most 8 steps (slots, or groups of slots).
 
 Tolerances: float32 outputs rtol 1e-6 (the same f32 expressions; XLA may fuse
@@ -26,7 +26,7 @@ from magma_optax.kernels.tiles import pallas as pallas_tiles
 
 NO_GPU_INTERPRETER = (
   f"jax {jax.__version__} has no Mosaic GPU interpreter"
-  " (plgpu.InterpretGPUParams is public from jax 0.12)"
+  " (plgpu.InterpretGPUParams is public from jax 0.11.2)"
 )
 HAS_MGPU = _compat.has_mosaic_gpu()
 BACKENDS = ["triton", "mosaic_tpu"] + (["mosaic_gpu"] if HAS_MGPU else [])
@@ -39,13 +39,13 @@ ALL_BACKENDS = [
 ]
 
 
-def tile_adam_xla(g4, mu, nu, tile_index, hyper, constants):
+def tile_adam_xla(g4, mu, nu, tile_index, hyper):
   """The reference: gather the slots' tiles (0 for an empty slot), then Adam."""
   _, _, cols, _ = g4.shape
   g = g4.at[tile_index // cols, :, tile_index % cols, :].get(
     mode="fill", fill_value=0, indices_are_sorted=True
   )
-  new_m, new_v, u = reference.tile_adam(g, mu, nu, None, None, hyper, constants)
+  new_m, new_v, u = reference.tile_adam(g, mu, nu, None, None, hyper)
   return new_m.astype(mu.dtype), new_v.astype(nu.dtype), u.astype(g4.dtype)
 
 
@@ -79,11 +79,9 @@ def test_tile_kernel_matches_xla_reference(backend, case):
   constants = reference.AdamConstants(b1=0.8, b2=0.99, eps=1e-6, eps_root=1e-12)
   hyper = reference.hyperparams(count, lr, 0.0, constants)
   args = _inputs(case, view, k, active, g_dtype, m_dtype)
-  want = jax.jit(tile_adam_xla, static_argnums=5)(*args, hyper, constants)
+  want = jax.jit(tile_adam_xla)(*args, hyper)
   got = jax.jit(
-    lambda *a: pallas_tiles.tile_adam_pallas(
-      *a, hyper, constants, backend=backend, interpret=True
-    )
+    lambda *a: pallas_tiles.tile_adam_pallas(*a, hyper, backend=backend, interpret=True)
   )(*args)
   for name, a, b in zip(("mu", "nu", "update"), got, want, strict=True):
     assert a.dtype == b.dtype and a.shape == b.shape, name
@@ -94,7 +92,7 @@ def test_tile_kernel_matches_xla_reference(backend, case):
   # Empty slots saw a zero gradient: their update is that of g = 0, not of a tile.
   empty = np.asarray(args[3]) == view[0] * view[2]
   zero = reference.tile_adam(
-    jnp.zeros(args[1].shape), args[1], args[2], None, None, hyper, constants
+    jnp.zeros(args[1].shape), args[1], args[2], None, None, hyper
   )
   np.testing.assert_allclose(
     np.asarray(got[2], np.float32)[empty],
@@ -113,14 +111,14 @@ def test_leaf_with_leading_axes(backend):
   tile_index = jnp.array([0, 3, 6, 8], jnp.int32)
   mu = nu = jnp.full((4, 8, 128), 0.5)
   got = pallas_tiles.tile_adam_pallas(
-    g4, mu, nu, tile_index, hyper, constants, backend=backend, interpret=True
+    g4, mu, nu, tile_index, hyper, backend=backend, interpret=True
   )
   # Tile 3 is rows 8..15 of the first matrix, columns 128..255.
   new_m, _, _ = reference.tile_adam(
-    leaf[0, 8:16, 128:], mu[1], nu[1], None, None, hyper, constants
+    leaf[0, 8:16, 128:], mu[1], nu[1], None, None, hyper
   )
   np.testing.assert_allclose(got[0][1], new_m, rtol=1e-6)
-  want = tile_adam_xla(g4, mu, nu, tile_index, hyper, constants)
+  want = tile_adam_xla(g4, mu, nu, tile_index, hyper)
   for a, b in zip(got, want, strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-6)
 
@@ -134,8 +132,8 @@ def test_leaf_with_leading_axes(backend):
     pytest.param(
       (8, 128),
       "mosaic_gpu",
-      "jax >= 0.12",
-      marks=pytest.mark.skipif(HAS_MGPU, reason="jax >= 0.12"),
+      "jax >= 0.11.2",
+      marks=pytest.mark.skipif(HAS_MGPU, reason="jax >= 0.11.2"),
     ),
     pytest.param(
       (8, 512),
@@ -166,7 +164,7 @@ def test_why_unavailable_explains_illegal_blocks(block, backend, needle):
   hyper = reference.hyperparams(1, 1e-3, 0.0, reference.AdamConstants())
   with pytest.raises(ValueError, match=needle):
     pallas_tiles.tile_adam_pallas(
-      g4, mu, mu, jnp.zeros((1,), jnp.int32), hyper, reference.AdamConstants(),
+      g4, mu, mu, jnp.zeros((1,), jnp.int32), hyper,
       backend=backend, interpret=True,
     )  # fmt: skip
 
@@ -197,9 +195,9 @@ def test_mosaic_tpu_partial_last_group_of_slots(monkeypatch):
   constants = reference.AdamConstants()
   hyper = reference.hyperparams(2, 1e-2, 0.0, constants)
   args = _inputs(7, (2, 8, 3, 128), 5, 4, jnp.float32)
-  want = tile_adam_xla(*args, hyper, constants)
+  want = tile_adam_xla(*args, hyper)
   got = pallas_tiles.tile_adam_pallas(
-    *args, hyper, constants, backend="mosaic_tpu", interpret=True
+    *args, hyper, backend="mosaic_tpu", interpret=True
   )
   for a, b in zip(got, want, strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * np.max(np.abs(b)))

@@ -186,6 +186,54 @@ def test_magma_adam_matches_numpy_algorithm1(granularity, keep_prob):
     np.testing.assert_allclose(np.asarray(got["w"]), want, rtol=1e-5, atol=1e-6)
 
 
+def _tau_to_zero(count):
+  """2.0 at step 0 (what construction checks), then 0 and below."""
+  return jnp.where(count == 0, 2.0, -0.5 * count + 0.5)
+
+
+@pytest.mark.parametrize("make", ["magma", "adam_magma"])
+def test_a_tau_schedule_is_raised_to_its_floor_at_every_step(make):
+  # A schedule that reaches 0 (and goes negative) after step 0: the step uses the
+  # documented floor, so scores and updates stay finite and equal Algorithm 1 at
+  # tau = max(tau_t, floor). Row blocks with a zero row: a zero cosine, 0 / 0 at
+  # tau = 0.
+  shape = (4, 6)
+  p0 = np.random.default_rng(3).normal(size=shape).astype(np.float32)
+  grads = _grads(shape)
+  for g in grads[1:]:
+    g[1] = 0.0
+  if make == "magma":
+    tx = magma.magma(
+      optax.adam(1e-2), tau=_tau_to_zero, keep_prob=1.0, granularity="row"
+    )
+  else:
+    tx = magma.adam_magma(1e-2, tau=_tau_to_zero, keep_prob=1.0, granularity="row")
+  traj, _, _ = _run(tx, {"w": jnp.asarray(p0)}, [{"w": g} for g in grads])
+  floor = 1e-3  # the documented floor
+  tau = lambda t: max(float(_tau_to_zero(t)), floor)
+  assert tau(1) == floor  # the schedule is below the floor from step 1
+  want = ref.magma_run(ref.NumpyAdam(1e-2), p0, grads, [np.ones(4)] * STEPS,
+                       granularity="row", tau=tau)  # fmt: skip
+  for got, w in zip(traj, want, strict=True):
+    assert np.isfinite(np.asarray(got["w"])).all()
+    np.testing.assert_allclose(np.asarray(got["w"]), w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+  "make",
+  [
+    lambda tau: magma.alignment_mask(tau),
+    lambda tau: magma.magma(optax.adam(1e-3), tau=tau),
+    lambda tau: magma.adam_magma(1e-3, tau=tau),
+  ],
+  ids=["alignment_mask", "magma", "adam_magma"],
+)
+def test_a_constant_tau_below_the_floor_is_refused(make):
+  with pytest.raises(ValueError, match=r"tau must lie in \[0.001, inf\); got 0.0001"):
+    make(1e-4)
+  make(1e-3)  # control: the floor itself is a valid tau
+
+
 @pytest.mark.parametrize(
   "base,np_base,key",
   [

@@ -15,6 +15,7 @@ import optax
 import pytest
 
 import magma_optax as magma
+from magma_optax._core import xla_cpu as _xla_cpu
 
 PARAMS = {"w": jnp.ones((4, 8)), "b": jnp.ones(8)}
 WRAPPERS = {
@@ -25,6 +26,18 @@ WRAPPERS = {
   ),
   "skip_update": lambda: magma.skip_update(optax.adam(1e-2), keep_prob=1.0),
 }
+
+
+@pytest.fixture(params=["cpu", "branch_free"])
+def backend(request, monkeypatch):
+  """Which form of the overflow rescue runs: ``"cpu"``, the one XLA:CPU lowers (a
+  branch), or ``"branch_free"``, the one lowered for a GPU or a TPU (every step
+  takes all sums in one pass and picks per block), run here on the CPU."""
+  if request.param == "branch_free":
+    monkeypatch.setattr(
+      _xla_cpu, "branch_on_cpu", lambda on_cpu, elsewhere, *ops: elsewhere(*ops)
+    )
+  return request.param
 
 
 def _run(tx, grads):
@@ -38,7 +51,7 @@ def _run(tx, grads):
 
 @pytest.mark.parametrize("name", sorted(WRAPPERS))
 @pytest.mark.parametrize("magnitude", [1e17, 1e30])
-def test_huge_finite_gradients_give_finite_updates_and_scores(name, magnitude):
+def test_huge_finite_gradients_give_finite_updates_and_scores(name, magnitude, backend):
   g = jax.tree.map(lambda x: jnp.full(x.shape, magnitude), PARAMS)
   ones = jax.tree.map(jnp.ones_like, PARAMS)
   updates, state = _run(WRAPPERS[name](), [g, g, ones])
@@ -49,7 +62,7 @@ def test_huge_finite_gradients_give_finite_updates_and_scores(name, magnitude):
     assert all(bool(jnp.all(jnp.isfinite(s))) for s in jax.tree.leaves(scores))
 
 
-def test_wrapper_and_fused_agree_on_extreme_inputs():
+def test_wrapper_and_fused_agree_on_extreme_inputs(backend):
   g = {"w": jnp.full((4, 8), 1e30), "b": jnp.linspace(-1e20, 1e20, 8)}
   ones = jax.tree.map(jnp.ones_like, PARAMS)
   a, sa = _run(WRAPPERS["magma(adam)"](), [g, ones, g])
@@ -66,7 +79,7 @@ def test_wrapper_and_fused_agree_on_extreme_inputs():
 
 @pytest.mark.parametrize("name", sorted(WRAPPERS))
 @pytest.mark.parametrize("bad", [jnp.inf, jnp.nan])
-def test_one_bad_entry_poisons_what_adam_poisons(name, bad):
+def test_one_bad_entry_poisons_what_adam_poisons(name, bad, backend):
   g_bad = jax.tree.map(lambda x: jnp.ones(x.shape), PARAMS)
   g_bad["w"] = g_bad["w"].at[1, 2].set(bad)
   ones = jax.tree.map(jnp.ones_like, PARAMS)
@@ -124,7 +137,7 @@ def _algorithm1_scores(grads, granularity, b1=0.9, tau=2.0, decay=0.9):
 
 
 @pytest.mark.parametrize("granularity", ["tensor", "row"])
-def test_overflowing_block_sums_give_the_algorithm1_scores(granularity):
+def test_overflowing_block_sums_give_the_algorithm1_scores(granularity, backend):
   # Finite gradients whose float32 block sums overflow (up to 1.8e19 per entry):
   # the blocks are recomputed rescaled, so every transform's scores follow a
   # float64 Algorithm 1 on every step (they used to keep their score there), and
@@ -184,24 +197,40 @@ def test_cosines_of_huge_finite_blocks_are_exact(magnitude):
   for granularity in ["row", (2, 4), "tensor"]:
     layout = _blocks.block_layout(a.shape, granularity)
     ids, n = ref.block_ids(a.shape, granularity)
-    got = _alignment.block_cosine(layout, jnp.asarray(a), jnp.asarray(b))
     want = ref.block_cosine(a.astype(np.float64), b.astype(np.float64), ids, n)
-    np.testing.assert_allclose(np.ravel(got), want, rtol=2e-6, atol=2e-7)
+    for got in cosines(layout, a, b):
+      np.testing.assert_allclose(np.ravel(got), want, rtol=2e-6, atol=2e-7)
   layout = _blocks.block_layout(a.shape, "row")
   ids, n = ref.block_ids(a.shape, "row")
   ac, bc = a + 1j * b[::-1], b - 1j * a  # complex: the real inner product
-  got = _alignment.block_cosine(layout, jnp.asarray(ac), jnp.asarray(bc))
   x = np.concatenate([ac.real, ac.imag], -1).astype(np.float64)
   y = np.concatenate([bc.real, bc.imag], -1).astype(np.float64)
   want = ref.block_cosine(x, y, ref.block_ids(x.shape, "row")[0], n)
-  np.testing.assert_allclose(np.ravel(got), want, rtol=2e-6, atol=2e-7)
+  for got in cosines(layout, ac, bc):
+    np.testing.assert_allclose(np.ravel(got), want, rtol=2e-6, atol=2e-7)
   keep = rng.uniform(size=a.shape) < 0.6
-  (sums, _) = _alignment.exact_sums(
-    layout, jnp.asarray(a), jnp.asarray(b), param_mask=keep
-  )
-  a, b = np.where(keep, a, 0.0).astype(np.float64), np.where(keep, b, 0.0)
-  want = ref.block_cosine(a, b.astype(np.float64), ids, n)
-  np.testing.assert_allclose(_alignment.cosine_from_sums(*sums), want, rtol=2e-6)
+  a64, b64 = (np.where(keep, x, 0.0).astype(np.float64) for x in (a, b))
+  want = ref.block_cosine(a64, b64, ids, n)
+  for got in cosines(layout, a, b, keep):
+    np.testing.assert_allclose(got, want, rtol=2e-6)
+  # Rows 0-2 take the rescaled sums (what the test is about): a plain float32
+  # sum there reaches 2**126 or overflows.
+  plain = np.asarray(_alignment.block_sums(layout, jnp.asarray(a), jnp.asarray(b)))
+  assert (~(np.abs(plain[:, :3]) < 2.0**126)).any(axis=0).all()
+
+
+def cosines(layout, a, b, param_mask=None):
+  """The block cosines of ``a`` and ``b`` by :func:`_alignment.block_cosine`,
+  :func:`_alignment.exact_sums` (the rescue on XLA:CPU) and
+  :func:`_alignment.branch_free_sums` (elsewhere)."""
+  from magma_optax.masking import alignment as _alignment
+
+  a, b = jnp.asarray(a), jnp.asarray(b)
+  if param_mask is None:
+    yield _alignment.block_cosine(layout, a, b)
+  for sums_of in (_alignment.exact_sums, _alignment.branch_free_sums):
+    sums, _ = sums_of(layout, a, b, param_mask=param_mask)
+    yield _alignment.cosine_from_sums(*sums)
 
 
 def test_the_rescue_costs_no_parameter_sized_scratch():
@@ -239,7 +268,7 @@ def test_the_rescue_costs_no_parameter_sized_scratch():
 
 
 @pytest.mark.parametrize("name", ["magma(adam)", "adam_magma", "alignment_mask"])
-def test_hypergradient_through_scanned_jitted_steps(name):
+def test_hypergradient_through_scanned_jitted_steps(name, backend):
   # d loss(params after 3 steps) / d learning rate with the steps in lax.scan
   # (traced: a tangent is not visible to the transform there). The branch that
   # recomputes overflowing sums is a cond, which reverse mode differentiates;

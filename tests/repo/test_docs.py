@@ -3,7 +3,9 @@
 Builds ``docs/`` into a temporary folder with ``python -m sphinx -W`` (the README's
 command), with every proxy pointed at a closed local port so that any fetch from the
 network fails the build, and reads the HTML back: each name a public module exports
-must have an entry in the API reference, each notebook a rendered page.
+must have an entry in the API reference, each notebook a rendered page. Also: the
+code blocks of the README and the guides run, the README's test command is the one
+``.ci/run`` runs, and the prose files keep the sizes a newcomer can read.
 """
 
 import importlib
@@ -12,6 +14,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -118,3 +121,49 @@ def test_guides_results_and_notebooks_are_rendered(site):
     assert page.exists(), f"{nb.name} has no page"
   images = list((site / "_images").glob("*.png"))
   assert images, "RESULTS.md's figures and the notebooks' plots were not copied"
+
+
+# Guides whose ```python blocks run top to bottom on one CPU device (each file in one
+# namespace). kernels.md, scale.md and demo.md show fragments (arrays of your own,
+# 8 devices, a data loader) and are left out.
+RUNNABLE_DOCS = ("README.md", "docs/masking.md", "docs/pruning.md", "docs/sparse.md")
+
+
+def _python_blocks(text):
+  """The ```python blocks of a Markdown text, dedented (a block may sit in a list)."""
+  fence = re.compile(r"^( *)```python\n(.*?)^\1```", re.M | re.S)
+  return [textwrap.dedent(body) for _, body in fence.findall(text)]
+
+
+def test_python_blocks_are_found_in_lists_too():
+  text = "x\n```python\na = 1\n```\n- item\n\n  ```python\n  b = a + 1\n  ```\n"
+  blocks = _python_blocks(text)
+  assert blocks == ["a = 1\n", "b = a + 1\n"]  # the positive control of the next test
+
+
+@pytest.mark.parametrize("name", RUNNABLE_DOCS)
+def test_the_code_blocks_of_the_docs_run(name):
+  blocks = _python_blocks((ROOT / name).read_text())
+  assert blocks, f"{name} has no python block"
+  namespace = {"__name__": f"docs_{pathlib.Path(name).stem}"}
+  for i, block in enumerate(blocks):
+    exec(compile(block, f"{name} (python block {i})", "exec"), namespace)
+
+
+def test_readme_test_command_is_what_ci_runs():
+  command = 'python3 -m pip install -e ".[test]" && python3 -m pytest'
+  readme = (ROOT / "README.md").read_text()
+  ci = (ROOT / ".ci" / "run").read_text()
+  body = re.search(r"readme_test_command\(\) \{\n(.*?)\n\}", ci, re.S)
+  assert body, ".ci/run defines no readme_test_command"
+  assert body.group(1).strip() == command
+  assert f"\n{command}\n" in readme, "the README's quick start lost its test command"
+
+
+@pytest.mark.parametrize(
+  "name, most", [("README.md", 250), ("benchmarks/RESULTS.md", 300),
+                 ("CHANGELOG.md", 150)],
+)  # fmt: skip
+def test_prose_files_stay_readable(name, most):
+  lines = (ROOT / name).read_text().count("\n")
+  assert lines <= most, f"{name} has {lines} lines; keep it to {most} (history: git)"

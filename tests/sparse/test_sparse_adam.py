@@ -145,8 +145,12 @@ def test_bad_input():
     magma.sparse_adam(1e-3, density=0.5, block=BLOCK)  # tiles in skip mode
   with pytest.raises(ValueError, match="chooses the kernel of tile storage"):
     magma.sparse_adam(1e-3, implementation="pallas", interpret=True)
-  with pytest.raises(ValueError, match="b1 must be a Python float"):
-    magma.sparse_adam(1e-3, jnp.asarray(0.9))
+  with pytest.raises(ValueError, match=r"b1 must lie in \[0.0, 1.0\)"):
+    magma.sparse_adam(1e-3, jnp.asarray(1.5))  # an array is fine, if in range
+  with pytest.raises(ValueError, match="eps must be a float or a scalar array"):
+    magma.sparse_adam(1e-3, eps="x")
+  with pytest.raises(ValueError, match="b2 must be .*not a schedule"):
+    magma.sparse_adam(1e-3, b2=optax.constant_schedule(0.9))
   with pytest.raises(ValueError, match="implementation must be one of"):
     magma.sparse_adam(
       1e-3, mode="compact", density=0.5, block=BLOCK, implementation="triton"
@@ -193,8 +197,11 @@ def test_explicit_pallas_request_fails_fast_on_cpu():
 
 
 def test_inject_hyperparams_learning_rate():
+  # Adam's constants static too: bit-equal (injected, 1 - b2 of a float32 b2
+  # differs in its last bits; tests/test_inject_hyperparams.py).
   make = optax.inject_hyperparams(
-    magma.sparse_adam, static_args=magma.sparse_adam.static_args
+    magma.sparse_adam,
+    static_args=magma.sparse_adam.static_args + ("b1", "b2", "eps", "eps_root"),
   )
   tx = make(learning_rate=1e-2, mode="compact", density=0.5, block=BLOCK)
   want = magma.sparse_adam(1e-2, mode="compact", density=0.5, block=BLOCK)

@@ -62,11 +62,11 @@ def gather_tiles(g4: jax.Array, tile_index: jax.Array) -> jax.Array:
   return jnp.where(stored, tiles, jnp.zeros((), g4.dtype))
 
 
-def tile_adam_reference(g4, mu, nu, tile_index, hyper, constants) -> TileAdamOutput:
+def tile_adam_reference(g4, mu, nu, tile_index, hyper) -> TileAdamOutput:
   """The XLA path: gather, then :func:`reference.tile_adam` (the same contract as
   :func:`magma_optax.kernels.tiles.pallas.tile_adam_pallas`)."""
   g = gather_tiles(g4, tile_index)
-  new_m, new_v, u = reference.tile_adam(g, mu, nu, None, None, hyper, constants)
+  new_m, new_v, u = reference.tile_adam(g, mu, nu, None, None, hyper)
   return TileAdamOutput(
     new_m.astype(mu.dtype), new_v.astype(nu.dtype), u.astype(g4.dtype)
   )
@@ -130,10 +130,10 @@ def tile_adam(
   *,
   count: Any,
   learning_rate: Any,
-  b1: float = 0.9,
-  b2: float = 0.999,
-  eps: float = 1e-8,
-  eps_root: float = 0.0,
+  b1: Any = 0.9,
+  b2: Any = 0.999,
+  eps: Any = 1e-8,
+  eps_root: Any = 0.0,
   implementation: str | Sequence[str] | None = None,
   interpret: bool | str = False,
 ) -> TileAdamOutput:
@@ -147,7 +147,8 @@ def tile_adam(
       tiles (``R / r * C / c`` times the leading axes) marks an empty slot.
     count: the step t >= 1 for bias correction (the incremented count).
     learning_rate: scalar (traced values are fine).
-    b1, b2, eps, eps_root: Adam's constants (static Python floats).
+    b1, b2, eps, eps_root: Adam's decay rates and epsilons, scalars (traced
+      values are fine: the kernels read them at run time).
     implementation: ``"xla"``, ``"pallas"``, a sequence to try in order, or
       ``None`` (``DEFAULT_IMPLEMENTATIONS``).
     interpret: as in :func:`magma_optax.kernels.masked_adam` (CPU tests only).
@@ -190,16 +191,16 @@ def tile_adam(
   impl = resolve_implementation(
     implementation, block=block, dtypes=dtypes, interpret=interpret
   )
-  constants = reference.AdamConstants(float(b1), float(b2), float(eps), float(eps_root))
+  constants = reference.AdamConstants(b1, b2, eps, eps_root)
   hyper = reference.hyperparams(count, learning_rate, 0.0, constants)
   g4 = grad.reshape(view)
   tile_index = tile_index.astype(jnp.int32)
   if impl == "xla":
-    return tile_adam_reference(g4, mu, nu, tile_index, hyper, constants)
+    return tile_adam_reference(g4, mu, nu, tile_index, hyper)
   from magma_optax.kernels.tiles import pallas as pallas_tiles  # noqa: PLC0415  Pallas on demand
 
   new_m, new_v, u = pallas_tiles.tile_adam_pallas(
-    g4, mu, nu, tile_index, hyper, constants,
+    g4, mu, nu, tile_index, hyper,
     backend=pallas_backend(block, dtypes, interpret), interpret=bool(interpret),
   )  # fmt: skip
   return TileAdamOutput(new_m, new_v, u)

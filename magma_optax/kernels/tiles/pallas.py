@@ -65,7 +65,7 @@ def why_unavailable(block: tuple[int, int], dtypes: Any, backend: str) -> str | 
   if backend == "mosaic_gpu":
     if not _compat.has_mosaic_gpu():
       return (
-        f"the Mosaic GPU tile kernel needs jax >= 0.12 (jax {jax.__version__} is"
+        f"the Mosaic GPU tile kernel needs jax >= 0.11.2 (jax {jax.__version__} is"
         " installed); use the Triton kernel."
       )
     widths = [c * jnp.dtype(d).itemsize for d in dtypes]
@@ -91,7 +91,6 @@ def tile_adam_pallas(
   nu: jax.Array,
   tile_index: jax.Array,
   hyper: jax.Array,
-  constants: reference.AdamConstants,
   *,
   backend: str,
   interpret: bool = False,
@@ -104,8 +103,7 @@ def tile_adam_pallas(
     nu: second moments of the slots, ``(K, r, c)``; any float dtype.
     tile_index: int32 ``(K,)``, sorted, in ``[0, rows * cols]``; ``rows * cols``
       marks an empty slot.
-    hyper: f32[4] from :func:`reference.hyperparams`.
-    constants: :class:`reference.AdamConstants`.
+    hyper: f32[NUM_HYPERPARAMS] from :func:`reference.hyperparams`.
     backend: ``"triton"``, ``"mosaic_tpu"`` or ``"mosaic_gpu"``.
     interpret: run in that backend's interpreter (CPU) instead of compiling.
 
@@ -121,13 +119,12 @@ def tile_adam_pallas(
     >>> import jax.numpy as jnp
     >>> from magma_optax.kernels.tiles import pallas as pallas_tiles
     >>> from magma_optax.kernels import reference
-    >>> constants = reference.AdamConstants()
-    >>> hyper = reference.hyperparams(1, 1e-3, 0.0, constants)
+    >>> hyper = reference.hyperparams(1, 1e-3, 0.0, reference.AdamConstants())
     >>> g4 = jnp.ones((2, 1, 2, 16)).at[1, :, 0].set(2.0)  # 4 tiles of (1, 16)
     >>> mu = nu = jnp.zeros((3, 1, 16))
     >>> tile_index = jnp.array([1, 2, 4], jnp.int32)  # tiles 1, 2; slot 2 is empty
     >>> m, v, u = pallas_tiles.tile_adam_pallas(
-    ...   g4, mu, nu, tile_index, hyper, constants, backend="triton", interpret=True
+    ...   g4, mu, nu, tile_index, hyper, backend="triton", interpret=True
     ... )
     >>> [float(x) for x in m[:, 0, 0]]
     [0.1..., 0.2..., 0.0]
@@ -158,7 +155,6 @@ def tile_adam_pallas(
     nu,
     tile_index.astype(jnp.int32),
     hyper.astype(jnp.float32),
-    constants,
     interpret,
   )
 
@@ -178,7 +174,7 @@ def _store(new_m, new_v, u, m_out, v_out, u_out):
   u_out[...] = u.astype(u_out.dtype)
 
 
-def _triton_kernel(idx_ref, hyper_ref, g_ref, m_ref, v_ref, *outs, constants, shape):
+def _triton_kernel(idx_ref, hyper_ref, g_ref, m_ref, v_ref, *outs, shape):
   """Slot ``program_id(0)``: its tile of ``g`` loaded at the index it stores."""
   pl = _compat.pallas()
   cols, r, c, num_tiles = shape
@@ -187,12 +183,12 @@ def _triton_kernel(idx_ref, hyper_ref, g_ref, m_ref, v_ref, *outs, constants, sh
   g = g_ref[pl.ds((tc // cols) * r, r), pl.ds((tc % cols) * c, c)]
   g = jnp.where(t < num_tiles, g.astype(jnp.float32), 0.0)
   new_m, new_v, u = reference.tile_adam(
-    g, m_ref[...], v_ref[...], None, None, hyper_ref, constants
+    g, m_ref[...], v_ref[...], None, None, hyper_ref
   )
   _store(new_m, new_v, u, *outs)
 
 
-def _triton(g4, mu, nu, tile_index, hyper, constants, interpret):
+def _triton(g4, mu, nu, tile_index, hyper, interpret):
   pl = _compat.pallas()
   rows, r, cols, c = g4.shape
   k = mu.shape[0]
@@ -207,9 +203,7 @@ def _triton(g4, mu, nu, tile_index, hyper, constants, interpret):
   compiler_params = None
   if not interpret:
     compiler_params = _compat.triton_compiler_params(4 if r * c >= 2048 else 1)
-  kernel = functools.partial(
-    _triton_kernel, constants=constants, shape=(cols, r, c, rows * cols)
-  )
+  kernel = functools.partial(_triton_kernel, shape=(cols, r, c, rows * cols))
   return pl.pallas_call(
     kernel,
     out_shape=_out_shapes(g4, mu, nu),
@@ -225,7 +219,7 @@ def _triton(g4, mu, nu, tile_index, hyper, constants, interpret):
 
 def _tpu_kernel(
   idx_ref, hyper_ref, g_hbm, m_ref, v_ref, m_out, v_out, u_out, g_buf, sems, *,
-  constants, shape,
+  shape,
 ):  # fmt: skip
   """Slots ``i S .. i S + S - 1``: their tiles of ``g`` DMA'd from HBM by index."""
   pl = _compat.pallas()
@@ -254,7 +248,7 @@ def _tpu_kernel(
       g_buf[q] = jnp.zeros(g_buf.shape[1:], g_buf.dtype)
 
   new_m, new_v, u = reference.tile_adam(
-    g_buf[...], m_ref[...], v_ref[...], None, None, hyper_ref, constants
+    g_buf[...], m_ref[...], v_ref[...], None, None, hyper_ref
   )
   _store(new_m, new_v, u, m_out, v_out, u_out)
 
@@ -269,7 +263,7 @@ def tpu_slots_per_step(k: int, r: int, c: int, dtypes: Any) -> int:
   return max(1, min(k, TPU_STEP_ENTRIES // (-(-r // sub) * sub * c)))
 
 
-def _tpu(g4, mu, nu, tile_index, hyper, constants, interpret):
+def _tpu(g4, mu, nu, tile_index, hyper, interpret):
   pl = _compat.pallas()
   pltpu = _compat.pallas_tpu()
   rows, r, cols, c = g4.shape
@@ -290,9 +284,7 @@ def _tpu(g4, mu, nu, tile_index, hyper, constants, interpret):
   # partial, where an aliased output fails to lower (docs/design/internals.md). A
   # TPU masks the last block's write-back.
   aliases = {} if interpret and k % s else {3: 0, 4: 1}
-  kernel = functools.partial(
-    _tpu_kernel, constants=constants, shape=(k, s, cols, c, rows * cols)
-  )
+  kernel = functools.partial(_tpu_kernel, shape=(k, s, cols, c, rows * cols))
   return pl.pallas_call(
     kernel,
     out_shape=_out_shapes(g4, mu, nu),
@@ -306,8 +298,7 @@ def _tpu(g4, mu, nu, tile_index, hyper, constants, interpret):
 
 
 def _mgpu_kernel(
-  idx_g, hyper_g, g_g, m_g, v_g, m_out, v_out, u_out, *, constants, shape,
-  num_programs,
+  idx_g, hyper_g, g_g, m_g, v_g, m_out, v_out, u_out, *, shape, num_programs,
 ):  # fmt: skip
   """Program p takes the groups of slots p, p + P, ...: per group the 4 indices
   are copied to SMEM, then per slot its tile of g (by index), m and v are copied
@@ -329,9 +320,7 @@ def _mgpu_kernel(
       for b in range(2, 2 + len(copies)):
         plgpu.barrier_wait(barriers.at[b])
       g = jnp.where(t < num_tiles, g_s[...].astype(jnp.float32), 0.0)
-      new_m, new_v, u = reference.tile_adam(
-        g, m_s[...], v_s[...], None, None, hyper_s, constants
-      )
+      new_m, new_v, u = reference.tile_adam(g, m_s[...], v_s[...], None, None, hyper_s)
       _store(new_m, new_v, u, m_s, v_s, g_s)  # over the SMEM copies (same dtypes)
       plgpu.commit_smem()  # make the SMEM writes visible to the TMA engine
       for src, dst in ((m_s, m_out), (v_s, v_out), (g_s, u_out)):
@@ -364,7 +353,7 @@ def _mgpu_kernel(
   )
 
 
-def _mgpu(g4, mu, nu, tile_index, hyper, constants, interpret):
+def _mgpu(g4, mu, nu, tile_index, hyper, interpret):
   pl = _compat.pallas()
   plgpu = _compat.pallas_mosaic_gpu()
   rows, r, cols, c = g4.shape
@@ -380,7 +369,6 @@ def _mgpu(g4, mu, nu, tile_index, hyper, constants, interpret):
   gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
   kernel = functools.partial(
     _mgpu_kernel,
-    constants=constants,
     shape=(k, r, c, cols, rows * cols, num_groups),
     num_programs=num_programs,
   )
