@@ -18,6 +18,7 @@ import optax
 import pytest
 
 import magma_optax as magma
+from magma_optax.pruning import periodic
 from magma_optax.pruning import radix_select
 from magma_optax.pruning import topk
 
@@ -54,6 +55,14 @@ def _refresh_step(**kwargs):
   return step, (PARAMS, tx.init(PARAMS), PARAMS)
 
 
+def _lowered(fn, *args, platform="cuda"):
+  """``fn`` lowered for ``platform`` (no Pallas kernel here: no abstract GPU mesh,
+  under which jax 0.12 cannot evaluate periodic_mask's first target at trace
+  time)."""
+  traced = jax.jit(fn).trace(*args)
+  return traced.lower(lowering_platforms=(platform,)).as_text()
+
+
 def _loops(text):
   return text.count("stablehlo.while(")
 
@@ -63,7 +72,7 @@ def test_refresh_step_for_a_device_has_no_data_dependent_control_flow_but_its_ga
   name,
 ):
   step, args = _refresh_step(**CASES[name])
-  cuda = _hlo.lowered(step, *args)
+  cuda = _lowered(step, *args)
   # The refresh gate (one while around the whole refresh) and nothing inside it.
   assert _hlo.data_dependent_control_flow(cuda) == {"while": 1, "case": 0, "if": 0}
   if name != "n_m":  # the search's two loops are there, with constant trip counts
@@ -71,7 +80,7 @@ def test_refresh_step_for_a_device_has_no_data_dependent_control_flow_but_its_ga
   # Positive control: XLA:CPU keeps its search's loops and branches (and the loop
   # that resets regrown moments only when an entry regrew), which the same count
   # sees inside the gate.
-  cpu = _hlo.data_dependent_control_flow(_hlo.lowered(step, *args, platform="cpu"))
+  cpu = _hlo.data_dependent_control_flow(_lowered(step, *args, platform="cpu"))
   assert cpu["while"] > 1
   if name != "n_m":
     assert cpu["while"] + cpu["case"] > 4
@@ -80,7 +89,7 @@ def test_refresh_step_for_a_device_has_no_data_dependent_control_flow_but_its_ga
 @pytest.mark.parametrize("name", ["per_leaf", "tiles_global"])
 def test_refresh_step_for_a_tpu_has_no_data_dependent_control_flow_but_its_gate(name):
   step, args = _refresh_step(**CASES[name])
-  tpu = _hlo.data_dependent_control_flow(_hlo.lowered(step, *args, platform="tpu"))
+  tpu = _hlo.data_dependent_control_flow(_lowered(step, *args, platform="tpu"))
   assert tpu == {"while": 1, "case": 0, "if": 0}
 
 
@@ -95,11 +104,11 @@ def test_the_search_alone_has_none():
     return radix_select.top_k([s, s[0, 0]], [a, a[0, 0]], [k], [1, 0], joint=True)
 
   for fn in (rows, joint):
-    text = _hlo.lowered(fn, s, a, k)
+    text = _lowered(fn, s, a, k)
     assert _hlo.data_dependent_control_flow(text) == {"while": 0, "case": 0, "if": 0}
     assert _loops(text) == 2
   # Positive control: XLA:CPU's search, lowered for CUDA, branches on the data.
-  cpu_form = _hlo.lowered(lambda s, a, k: topk.top_k_masks([s], [a], k), s, a, k)
+  cpu_form = _lowered(lambda s, a, k: topk.top_k_masks([s], [a], k), s, a, k)
   assert _hlo.data_dependent_control_flow(cpu_form)["while"] >= 1
 
 
@@ -119,9 +128,7 @@ def _ranked(x):
 
 
 # NaN ranks last (as -inf), -0.0 ties +0.0; the rest is a ladder with heavy ties.
-VALUES = np.array(
-  [np.nan, -np.inf, -1.5, -0.0, 0.0, 1e-30, 2.0, np.inf], np.float32
-)
+VALUES = np.array([np.nan, -np.inf, -1.5, -0.0, 0.0, 1e-30, 2.0, np.inf], np.float32)
 
 
 def _cases(rng, shape):
@@ -230,31 +237,35 @@ MOVED = r"=\s*(\S+)\s(?:all-gather|all-to-all|collective-permute)(?:-start)?\("
 
 def masks_after_two_refreshes(kw, choose, shard=None):
   periodic._per_backend = choose
-  tx = magma.periodic_mask(optax.adam(0.1), every=1, **kw)
+  tx = magma.periodic_mask(optax.sgd(0.1), every=1, **kw)
   def step(p, s, g):
     u, s = tx.update(g, s, p)
     return optax.apply_updates(p, u), s
-  f = jax.jit(step)
   p, g = params, grads
   if shard is not None:
     p, g = jax.device_put(params, shard), jax.device_put(grads, shard)
   s = tx.init(p)
-  hlo = f.lower(p, s, g).compile().as_text()
+  # One compile: the compiled step runs both refreshes, its HLO is read.
+  f = jax.jit(step).lower(p, s, g).compile()
   for _ in range(2):  # a refresh, then one from that mask
     p, s = f(p, s, g)
-  return s.mask, hlo
+  return s.mask, f.as_text()
 
 out = {"devices": jax.device_count()}
-for types in ("Auto", "Explicit"):
+# The one-device masks of XLA:CPU's form, once per case.
+want = {name: masks_after_two_refreshes(kw, cpu_form)[0] for name, kw in cases.items()}
+# Each case on one kind of mesh axes, shards= on both (few compiles).
+runs = {"Auto": ("global", "tiles_shards"), "Explicit": ("per_leaf", "tiles_shards")}
+for types, names in runs.items():
   axis_type = getattr(jax.sharding.AxisType, types)
   mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(axis_type,) * 2)
   shard = {k: NamedSharding(mesh, sp) for k, (_, sp) in specs.items()}
-  for name, kw in cases.items():
-    want, _ = masks_after_two_refreshes(kw, cpu_form)  # one device
+  for name in names:
+    kw = cases[name]
     got, hlo = masks_after_two_refreshes(kw, device_form, shard)
     pruned = [k for k in specs if kw.get("where") is None or len(specs[k][0]) >= 2]
     out[f"{types}/{name}"] = {
-      "equal": all(np.array_equal(want[k], got[k]) for k in specs),
+      "equal": all(np.array_equal(want[name][k], got[k]) for k in specs),
       "some_pruned": all(0 < got[k].sum() < got[k].size for k in pruned),
       "moved": re.findall(MOVED, hlo),
       "all_reduces": len(re.findall(r"all-reduce(?:-start)?\(", hlo)),
@@ -278,9 +289,133 @@ def test_device_form_on_sharded_leaves_equals_one_device_and_gathers_nothing():
   smallest = 64  # entries of the smallest sharded leaf
   # The count sees a gathered leaf where one is built.
   assert any(_elements(t) >= smallest for t in out.pop("control"))
-  assert len(out) == 6
+  assert len(out) == 4
   for name, run in out.items():
     assert run["equal"] and run["some_pruned"], name
     # Counts are all-reduced; no leaf-sized array moves between devices.
     assert not [t for t in run["moved"] if _elements(t) >= smallest], (name, run)
     assert run["all_reduces"] >= 1, name
+
+
+def _mixed_tree(seed):
+  """A scalar, a zero-size, a bfloat16, a complex and three float32 leaves (two of
+  one shape: stacked), on a coarse grid (ties), with NaN, +-inf and -0.0."""
+  rng = np.random.default_rng(seed)
+  grid = lambda shape: np.round(2 * rng.standard_normal(shape)) / 2  # noqa: E731
+  w = grid((8, 16)).astype(np.float32)
+  w.ravel()[rng.permutation(w.size)[:8]] = np.repeat(VALUES[[0, 1, 3, 7]], 2)
+  return {
+    "scalar": jnp.float32(grid(())),
+    "empty": jnp.zeros((0, 8)),
+    "half": jnp.asarray(grid((8, 16)), jnp.bfloat16),
+    "complex": jnp.asarray(grid((8, 16)) + 1j * grid((8, 16)), jnp.complex64),
+    "w": jnp.asarray(w),
+    "w2": jnp.asarray(grid((8, 16)), jnp.float32),
+    "v": jnp.asarray(grid((16,)), jnp.float32),
+  }
+
+
+RAMP3 = magma.linear_sparsity_schedule(
+  0.7, begin_step=0, end_step=3, initial_sparsity=0.2
+)
+GRAD = lambda p, g: jnp.abs(g)  # noqa: E731  (pruned weights regrow)
+# (inner optimizer, periodic_mask's arguments)
+FORMS_CASES = {
+  "per_leaf": ("sgd", dict(sparsity=0.5)),
+  "ramp_global": ("sgd", dict(sparsity=RAMP3, ranking="global", importance=GRAD)),
+  "n_m": ("sgd", dict(structure=(2, 4), where=lambda path, x: x.ndim >= 1)),
+  "tiles_ramp_global": (
+    "sgd",
+    dict(
+      sparsity=RAMP3, block=(2, 4), ranking="global", importance=GRAD, where=MATRICES
+    ),
+  ),
+  "tiles_shards": (
+    "sgd",
+    dict(sparsity=0.5, block=(2, 4), shards=(2, 2), importance=GRAD, where=MATRICES),
+  ),
+}
+
+
+def _np_reference(params, grads, old, sparsity, ranking, importance):
+  """An unstructured refresh's masks: scores ``|W| |g|`` (``importance=GRAD``:
+  ``|g|``) of the magnitudes jax computes (float32, NaN last, -0.0 as +0.0), ranked
+  by numpy; the scalar and nonempty leaves in the tree's order."""
+  names = [k for k in sorted(params) if params[k].size]
+  scores = []
+  for k in names:
+    p, g = (np.abs(np.asarray(jnp.abs(x[k]), np.float32)) for x in (params, grads))
+    with np.errstate(invalid="ignore"):  # inf * 0: NaN, ranked last
+      s = g if importance is GRAD else p * g
+    scores.append(np.where(np.isnan(s), -np.inf, s) + np.float32(0.0))
+  actives = [np.asarray(old[k]) for k in names]
+
+  def keep(n):
+    return n - int(np.round(np.float32(sparsity) * n))
+
+  if ranking == "global":
+    flat = np.concatenate([s.ravel() for s in scores])
+    m = np_top_k(flat, np.concatenate([a.ravel() for a in actives]), keep(flat.size))
+    bounds = np.cumsum([0] + [s.size for s in scores])
+    return {
+      k: m[a:b].reshape(s.shape)
+      for k, s, a, b in zip(names, scores, bounds[:-1], bounds[1:], strict=True)
+    }
+  return {
+    k: np_top_k(s, a, keep(s.size))
+    for k, s, a in zip(names, scores, actives, strict=True)
+  }
+
+
+@pytest.mark.parametrize("name", sorted(FORMS_CASES))
+def test_device_form_equals_the_cpu_form_on_every_kind_of_leaf(name, monkeypatch):
+  # Three refreshes (every=1) on the mixed tree, a new gradient each step, in both
+  # forms of the refresh: the same masks, regrown counts, sparsity and parameters.
+  # Unstructured: also numpy's top-k of the same scores, exactly.
+  inner, kw = FORMS_CASES[name]
+  params = _mixed_tree(0)
+  grads = [_mixed_tree(1 + t) for t in range(3)]
+  device_calls = []
+
+  def device_form(refresh, *ops):
+    device_calls.append(1)
+    return refresh(*ops, device=True)
+
+  runs = {}
+  for form in ("cpu", "device"):
+    if form == "device":
+      monkeypatch.setattr(periodic, "_per_backend", device_form)
+    tx = magma.periodic_mask(getattr(optax, inner)(0.5), every=1, **kw)
+
+    @jax.jit
+    def step(p, s, g, tx=tx):
+      u, s = tx.update(g, s, p)
+      return optax.apply_updates(p, u), s
+
+    p, s, records = params, tx.init(params), []
+    for g in grads:
+      old = s.mask
+      new_p, s = step(p, s, g)
+      records.append((p, g, old, s))
+      p = new_p
+    runs[form] = records, p
+  assert device_calls  # the device form ran
+  regrown = 0
+  (cpu_runs, cpu_params), (dev_runs, dev_params) = runs["cpu"], runs["device"]
+  for k in params:  # NaN where a NaN gradient reached a kept weight
+    np.testing.assert_array_equal(dev_params[k], cpu_params[k], err_msg=k)
+  for (p, g, old, cpu), (_, _, _, dev) in zip(cpu_runs, dev_runs, strict=True):
+    for k in params:
+      np.testing.assert_array_equal(dev.mask[k], cpu.mask[k], err_msg=k)
+    assert int(dev.num_regrown) == int(cpu.num_regrown)
+    assert float(dev.sparsity) == float(cpu.sparsity)
+    regrown += int(cpu.num_regrown)
+    if "structure" in kw or "block" in kw:
+      continue
+    want = _np_reference(
+      p, g, old, float(cpu.target_sparsity), kw.get("ranking"), kw.get("importance")
+    )
+    for k, m in want.items():
+      np.testing.assert_array_equal(dev.mask[k], m, err_msg=k)
+  if kw.get("importance") is GRAD:
+    assert regrown > 0  # the counts were tested on a refresh that regrows
