@@ -112,6 +112,27 @@ def test_the_search_alone_has_none():
   assert _hlo.data_dependent_control_flow(cpu_form)["while"] >= 1
 
 
+def test_the_count_reads_loops_nested_in_counted_loops():
+  # Counted loops written inline (fori_loop bodies are outlined into calls): one
+  # inside another is not data-dependent, a while_loop on the data inside one is
+  # (the positive control). (The inner loop's own `} do {` once ended the outer
+  # body early, which then read as a loop of unknown trip count.)
+  def counted(n, body, x):
+    return jax.lax.while_loop(
+      lambda c: c[0] < n, lambda c: (c[0] + 1, body(c[1])), (0, x)
+    )[1]
+
+  def on_data(y):
+    return jax.lax.while_loop(lambda z: z.sum() < 10.0, lambda z: z * 2.0, y)
+
+  def count(inner):
+    text = _lowered(lambda x: counted(4, inner, x), jnp.ones(3))
+    return _hlo.data_dependent_control_flow(text)
+
+  assert count(lambda y: counted(3, lambda z: z * 2.0, y))["while"] == 0
+  assert count(on_data)["while"] == 1
+
+
 def np_top_k(score, active, k):
   """Reference: the k best of score desc, then active first, then low flat index."""
   s = np.asarray(score, np.float32).ravel()
