@@ -662,6 +662,11 @@ class _Pruning:
     whose loops have constant trip counts; N:M groups need no loop.
     """
     idx, scores, active = self.ranked_units(plans, params, grads, old)
+    sizes = [scores[i].size for i in idx]
+    together = sum(sizes) if self.ranking == "global" else max(sizes, default=0)
+    if self.structure is None and together > _radix_select.MAX_ENTRIES:
+      # Beyond what one search ranks: XLA:CPU's form (exact, with its loops).
+      return self.new_masks(plans, params, grads, old, target, parts)
     whole = [i for i in idx if self.structure is not None or parts[i] is None]
     # Rankings: (leaves, stacked scores, stacked activity, leading axes of rows).
     rankings = []
@@ -691,7 +696,6 @@ class _Pruning:
         [r[3] for r in rankings],
       )
     else:  # one top-k over the leaves in order: a stack's rows are apart
-      sizes = [scores[i].size for i in idx]
       start = {i: sum(sizes[:n]) for n, i in enumerate(idx)}
       ranked = _radix_select.top_k(
         units,

@@ -26,6 +26,9 @@ from magma_optax.pruning import topk as _topk
 # 2**_DIGIT - 1 candidates at once (one variadic reduction per array). It divides 32.
 _DIGIT = 4
 _ALL = np.uint32(2**32 - 1)
+# The most entries one search ranks together: a tie's rank packs its activity and
+# its index into 32 bits.
+MAX_ENTRIES = 2**31 - 1
 
 
 def _passes(bits: int) -> int:
@@ -141,8 +144,10 @@ def top_k(
     total = sum(math.prod(r) * size for r, size in zip(rows, sizes, strict=True))
   else:
     total = max(sizes, default=1)
-  if total >= 2**31:
-    raise ValueError(f"top_k ranks at most 2**31 - 1 entries together; got {total}.")
+  if total > MAX_ENTRIES:
+    raise ValueError(
+      f"top_k ranks at most MAX_ENTRIES = {MAX_ENTRIES} entries together; got {total}."
+    )
   bits = max(total.bit_length(), 1)  # every index < 2**bits - 1
 
   t1 = _kth_largest([lambda x=x: x for x in keys], lead, k, 32, joint)

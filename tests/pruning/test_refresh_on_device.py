@@ -133,6 +133,16 @@ def test_the_count_reads_loops_nested_in_counted_loops():
   assert count(on_data)["while"] == 1
 
 
+def test_rankings_past_one_search_keep_the_cpu_form(monkeypatch):
+  # More units ranked together than a search's tie index holds: the device form
+  # falls back to XLA:CPU's search (its loops show inside the gate), rather than
+  # fail or rank wrongly.
+  step, args = _refresh_step(sparsity=0.5, ranking="global")
+  monkeypatch.setattr(radix_select, "MAX_ENTRIES", 1000)  # the tree has 7216 units
+  counts = _hlo.data_dependent_control_flow(_lowered(step, *args))
+  assert counts["while"] > 1
+
+
 def np_top_k(score, active, k):
   """Reference: the k best of score desc, then active first, then low flat index."""
   s = np.asarray(score, np.float32).ravel()
@@ -344,6 +354,11 @@ GRAD = lambda p, g: jnp.abs(g)  # noqa: E731  (pruned weights regrow)
 FORMS_CASES = {
   "per_leaf": ("sgd", dict(sparsity=0.5)),
   "ramp_global": ("sgd", dict(sparsity=RAMP3, ranking="global", importance=GRAD)),
+  # More units than one search ranks (made few below): XLA:CPU's form runs.
+  "global_past_one_search": (
+    "sgd",
+    dict(sparsity=0.5, ranking="global", importance=GRAD),
+  ),
   "n_m": ("sgd", dict(structure=(2, 4), where=lambda path, x: x.ndim >= 1)),
   "tiles_ramp_global": (
     "sgd",
@@ -394,6 +409,8 @@ def test_device_form_equals_the_cpu_form_on_every_kind_of_leaf(name, monkeypatch
   # forms of the refresh: the same masks, regrown counts, sparsity and parameters.
   # Unstructured: also numpy's top-k of the same scores, exactly.
   inner, kw = FORMS_CASES[name]
+  if name == "global_past_one_search":
+    monkeypatch.setattr(radix_select, "MAX_ENTRIES", 100)
   params = _mixed_tree(0)
   grads = [_mixed_tree(1 + t) for t in range(3)]
   device_calls = []
