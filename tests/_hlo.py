@@ -198,7 +198,8 @@ def _known_trip_count(lines: list[str], start: int, data: set[str]) -> bool:
     i += 1
     while True:
       depth += _depth_change(lines[i])
-      if depth == 0 or lines[i].strip() == "} do {":
+      # Its own `} do {` only: a loop nested in the region has one too.
+      if depth == 0 or (depth == 1 and lines[i].strip() == "} do {"):
         return body, i
       body.append(lines[i])
       i += 1

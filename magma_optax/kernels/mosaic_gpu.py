@@ -140,38 +140,15 @@ def masked_adam_pallas_mgpu(
       " copies of whole multiples of 16 bytes: block_rows must be a multiple of 4"
       f" and block_rows * block_cols of 16; got {rows} x {cols}."
     )
-  padded = -(-bs // cols) * cols
-  rows_per_block = padded // cols
-  num_rows = -(-(nb * rows_per_block) // rows) * rows
-  rows_of = functools.partial(
-    _rows.to_rows, num_blocks=nb, block_size=bs, padded_size=padded,
-    num_rows=num_rows, cols=cols,
-  )  # fmt: skip
-  if scale is None:
-    scale = jnp.ones(layout.block_shape, jnp.float32)
-  row_scale = jnp.repeat(jnp.asarray(scale, jnp.float32).reshape(nb), rows_per_block)
-  row_scale = jnp.pad(row_scale, (0, num_rows - row_scale.shape[0]))
-  inputs = [hyper.astype(jnp.float32), row_scale, rows_of(grad), rows_of(mu)]
-  inputs.append(rows_of(nu))
-  if param_mask is not None:
-    inputs.append(rows_of(param_mask.astype(jnp.int8)))
-  if params is not None:
-    inputs.append(rows_of(params))
-  num_tiles = num_rows // rows
+  view = _rows.RowView(layout, shape, rows, cols)
+  inputs = view.inputs(grad, mu, nu, hyper, scale, param_mask, params)
+  num_tiles = view.num_rows // rows
   # One tile per program on a GPU. The GPU interpreter keeps the writes of program
   # 0 only (docs/design/internals.md), so there one program walks over all tiles:
   # the same code, with P = 1.
   num_programs = 1 if interpret else num_tiles
   gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
-  sums_shape = jax.ShapeDtypeStruct((num_rows,), jnp.float32)
-  out_shape = (
-    jax.ShapeDtypeStruct((num_rows, cols), mu.dtype),
-    jax.ShapeDtypeStruct((num_rows, cols), nu.dtype),
-    jax.ShapeDtypeStruct((num_rows, cols), grad.dtype),
-    sums_shape,
-    sums_shape,
-    sums_shape,
-  )
+  out_shape = view.out_shape(grad, mu, nu)
   kernel = functools.partial(
     _kernel,
     has_mask=param_mask is not None,
@@ -192,9 +169,4 @@ def masked_adam_pallas_mgpu(
     interpret=plgpu.InterpretGPUParams() if interpret else False,
     name="masked_adam_mgpu",
   )(*inputs)
-  back = functools.partial(
-    _rows.from_rows, shape=shape, num_blocks=nb, block_size=bs,
-    padded_size=padded,
-  )  # fmt: skip
-  sums = (_rows.row_sums_to_blocks(x, layout, rows_per_block) for x in (dot, msq, gsq))
-  return reference.MaskedAdamOutput(back(new_m), back(new_v), back(u), *sums)
+  return view.outputs(new_m, new_v, u, dot, msq, gsq)

@@ -4,13 +4,18 @@ Each block of a :class:`magma_optax.BlockLayout` must be contiguous in memory
 (:func:`is_contiguous`); :func:`to_rows` pads each block to a multiple of the
 kernel's columns and the rows to a multiple of its rows, :func:`from_rows` undoes
 it, and :func:`row_sums_to_blocks` adds the kernel's per-row partial sums per block.
+:class:`RowView` does all three for one masked-Adam call.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 
 from magma_optax._core import blocks as _blocks
+from magma_optax.kernels import reference
 
 
 def is_contiguous(layout: _blocks.BlockLayout) -> bool:
@@ -52,3 +57,78 @@ def row_sums_to_blocks(row_sums, layout: _blocks.BlockLayout, rows_per_block: in
   nb = layout.num_blocks
   per_block = row_sums[: nb * rows_per_block].reshape(nb, rows_per_block)
   return jnp.sum(per_block, axis=1).reshape(layout.block_shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowView:
+  """One leaf's masked-Adam operands as rows of ``cols`` entries, tiled by ``rows``.
+
+  Each block is padded to ``padded`` entries (``rows_per_block`` rows), the rows to
+  ``num_rows``, a multiple of ``rows``.
+  """
+
+  layout: _blocks.BlockLayout
+  shape: tuple[int, ...]
+  rows: int
+  cols: int
+
+  @property
+  def padded(self) -> int:
+    return -(-self.layout.block_size // self.cols) * self.cols
+
+  @property
+  def rows_per_block(self) -> int:
+    return self.padded // self.cols
+
+  @property
+  def num_rows(self) -> int:
+    n = self.layout.num_blocks * self.rows_per_block
+    return -(-n // self.rows) * self.rows
+
+  def to_rows(self, x: jax.Array) -> jax.Array:
+    layout = self.layout
+    return to_rows(
+      x, layout.num_blocks, layout.block_size, self.padded, self.num_rows, self.cols
+    )
+
+  def from_rows(self, x: jax.Array) -> jax.Array:
+    layout = self.layout
+    return from_rows(x, self.shape, layout.num_blocks, layout.block_size, self.padded)
+
+  def inputs(self, grad, mu, nu, hyper, scale, param_mask, params) -> list:
+    """The kernel's operands: hyper, the per-row scale, grad, mu, nu rows, then
+    the int8 mask rows and the parameter rows where given."""
+    layout = self.layout
+    if scale is None:
+      scale = jnp.ones(layout.block_shape, jnp.float32)
+    scale = jnp.asarray(scale, jnp.float32).reshape(layout.num_blocks)
+    row_scale = jnp.repeat(scale, self.rows_per_block)
+    row_scale = jnp.pad(row_scale, (0, self.num_rows - row_scale.shape[0]))
+    out = [hyper.astype(jnp.float32), row_scale]
+    out += [self.to_rows(x) for x in (grad, mu, nu)]
+    if param_mask is not None:
+      out.append(self.to_rows(param_mask.astype(jnp.int8)))
+    if params is not None:
+      out.append(self.to_rows(params))
+    return out
+
+  def out_shape(self, grad, mu, nu) -> tuple:
+    """The kernel's results: new mu, nu and update rows, three per-row sums."""
+    tile = (self.num_rows, self.cols)
+    sums = jax.ShapeDtypeStruct((self.num_rows,), jnp.float32)
+    return (
+      jax.ShapeDtypeStruct(tile, mu.dtype),
+      jax.ShapeDtypeStruct(tile, nu.dtype),
+      jax.ShapeDtypeStruct(tile, grad.dtype),
+      sums,
+      sums,
+      sums,
+    )
+
+  def outputs(self, new_m, new_v, u, dot, msq, gsq) -> reference.MaskedAdamOutput:
+    """The kernel's results back on the leaf and its blocks."""
+    sums = (
+      row_sums_to_blocks(x, self.layout, self.rows_per_block) for x in (dot, msq, gsq)
+    )
+    back = self.from_rows
+    return reference.MaskedAdamOutput(back(new_m), back(new_v), back(u), *sums)

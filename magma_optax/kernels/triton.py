@@ -88,36 +88,13 @@ def masked_adam_pallas(
     )  # fmt: skip
   sizes = block_sizes or config_lib.BlockSizes.get_default(bs, nb)
   cols, rows = sizes.block_cols, sizes.block_rows
-  padded = -(-bs // cols) * cols
-  rows_per_block = padded // cols
-  num_rows = -(-(nb * rows_per_block) // rows) * rows
-  rows_of = functools.partial(
-    _rows.to_rows, num_blocks=nb, block_size=bs, padded_size=padded,
-    num_rows=num_rows, cols=cols,
-  )  # fmt: skip
-  if scale is None:
-    scale = jnp.ones(layout.block_shape, jnp.float32)
-  row_scale = jnp.repeat(jnp.asarray(scale, jnp.float32).reshape(nb), rows_per_block)
-  row_scale = jnp.pad(row_scale, (0, num_rows - row_scale.shape[0]))
-  inputs = [hyper.astype(jnp.float32), row_scale, rows_of(grad), rows_of(mu)]
-  inputs.append(rows_of(nu))
-  if param_mask is not None:
-    inputs.append(rows_of(param_mask.astype(jnp.int8)))
-  if params is not None:
-    inputs.append(rows_of(params))
+  view = _rows.RowView(layout, shape, rows, cols)
+  inputs = view.inputs(grad, mu, nu, hyper, scale, param_mask, params)
   tile = pl.BlockSpec((rows, cols), lambda i: (i, 0))
   row_vec = pl.BlockSpec((rows,), lambda i: (i,))
   hyper_spec = pl.BlockSpec((reference.NUM_HYPERPARAMS,), lambda i: (0,))
   in_specs = [hyper_spec, row_vec] + [tile] * (len(inputs) - 2)
-  sums_shape = jax.ShapeDtypeStruct((num_rows,), jnp.float32)
-  out_shape = (
-    jax.ShapeDtypeStruct((num_rows, cols), mu.dtype),
-    jax.ShapeDtypeStruct((num_rows, cols), nu.dtype),
-    jax.ShapeDtypeStruct((num_rows, cols), grad.dtype),
-    sums_shape,
-    sums_shape,
-    sums_shape,
-  )
+  out_shape = view.out_shape(grad, mu, nu)
   compiler_params = None
   if not interpret:
     compiler_params = _compat.triton_compiler_params(sizes.num_warps or 4)
@@ -129,7 +106,7 @@ def masked_adam_pallas(
   new_m, new_v, u, dot, msq, gsq = pl.pallas_call(
     kernel,
     out_shape=out_shape,
-    grid=(num_rows // rows,),
+    grid=(view.num_rows // rows,),
     in_specs=in_specs,
     out_specs=(tile, tile, tile, row_vec, row_vec, row_vec),
     input_output_aliases={3: 0, 4: 1},
@@ -137,8 +114,4 @@ def masked_adam_pallas(
     interpret=interpret,
     name="masked_adam",
   )(*inputs)
-  back = functools.partial(
-    _rows.from_rows, shape=shape, num_blocks=nb, block_size=bs, padded_size=padded
-  )
-  sums = (_rows.row_sums_to_blocks(x, layout, rows_per_block) for x in (dot, msq, gsq))
-  return reference.MaskedAdamOutput(back(new_m), back(new_v), back(u), *sums)
+  return view.outputs(new_m, new_v, u, dot, msq, gsq)

@@ -33,6 +33,7 @@ from magma_optax._core import sharded as _sharded
 from magma_optax._core import trees as _trees
 from magma_optax._core import xla_cpu as _xla_cpu
 from magma_optax.pruning import importance as _importance
+from magma_optax.pruning import radix_select as _radix_select
 from magma_optax.pruning import schedules as _sparsity
 from magma_optax.pruning import topk as _topk
 
@@ -71,6 +72,19 @@ class PeriodicMaskState(NamedTuple):
 # old and new masks are the refresh's only extra memory, and a leaf this large
 # costs far more than its share of a step's launch.
 _STACKED = 2**20
+# The device form stacks every leaf of a shape: its search then counts all of them
+# in one reduction per pass (their keys exist at once either way).
+_UNCAPPED = 2**62
+
+
+def _per_backend(refresh: Any, *operands: Any) -> Any:
+  """``refresh(*operands, device=...)``, chosen when the step is lowered: XLA:CPU
+  gets its form (``device=False``), every other platform the device form."""
+  return jax.lax.platform_dependent(
+    *operands,
+    cpu=functools.partial(refresh, device=False),
+    default=functools.partial(refresh, device=True),
+  )
 
 
 def reset_moments(
@@ -548,13 +562,9 @@ class _Pruning:
     _mask_bounds.check_init(inner_state, treedef, self.bounds_of(plans, params))
     return inner_state
 
-  def new_masks(self, plans, params, grads, old, target, parts):
-    """The refreshed masks, and the numbers of regrown and of kept scoped entries.
-
-    Whole leaves of one shape are ranked by one computation over their stack
-    (:func:`_trees.map_stacked`), not one per leaf: on XLA:CPU every step's launch
-    grows with the program's buffers, those of a refresh that does not run included.
-    """
+  def ranked_units(self, plans, params, grads, old):
+    """The leaves a refresh ranks (scoped, not zero-size), and per leaf the scores
+    and activity of its units (entries, or tiles with ``block=``)."""
     # Zero-size leaves have nothing to rank: their (empty) masks stay as they are.
     idx = [
       i
@@ -577,6 +587,17 @@ class _Pruning:
     ):  # rank tiles: their summed scores, active if any entry is
       scores = {i: _topk.tile_sum(scores[i], self.block) for i in idx}
       active = {i: _topk.tile_any(old[i], self.block) for i in idx}
+    return idx, scores, active
+
+  def new_masks(self, plans, params, grads, old, target, parts):
+    """The refreshed masks, and the numbers of regrown and of kept scoped entries
+    (XLA:CPU's form: :meth:`device_masks` finds the same masks).
+
+    Whole leaves of one shape are ranked by one computation over their stack
+    (:func:`_trees.map_stacked`), not one per leaf: on XLA:CPU every step's launch
+    grows with the program's buffers, those of a refresh that does not run included.
+    """
+    idx, scores, active = self.ranked_units(plans, params, grads, old)
 
     def ranked(s, a, k):
       if self.structure is not None:
@@ -641,6 +662,95 @@ class _Pruning:
     kept = kept + _count([out[i] for i in alone])
     return out, regrown, kept
 
+  def device_masks(self, plans, params, grads, old, target, parts):
+    """:meth:`new_masks` for GPUs and TPUs: the same masks and counts, without a
+    data-dependent loop or branch (each would wait for the host to read its
+    predicate back) and with one search for all leaves.
+
+    Leaves of one shape are stacked, and the rows of every stack (and the shard
+    parts of a ``shards=`` leaf) are ranked by one :func:`radix_select.top_k`,
+    whose loops have constant trip counts; N:M groups need no loop.
+    """
+    idx, scores, active = self.ranked_units(plans, params, grads, old)
+    sizes = [scores[i].size for i in idx]
+    together = sum(sizes) if self.ranking == "global" else max(sizes, default=0)
+    if self.structure is None and together > _radix_select.MAX_ENTRIES:
+      # Beyond what one search ranks: XLA:CPU's form (exact, with its loops).
+      return self.new_masks(plans, params, grads, old, target, parts)
+    whole = [i for i in idx if self.structure is not None or parts[i] is None]
+    # Rankings: (leaves, stacked scores, stacked activity, leading axes of rows).
+    rankings = []
+    for group in _trees.same_shape_groups(
+      [old[i] for i in whole], _UNCAPPED, also=[scores[i] for i in whole]
+    ):
+      leaves = [whole[j] for j in group]
+      s, a = (jnp.stack([x[i] for i in leaves]) for x in (scores, active))
+      rankings.append((leaves, s, a, 1))
+    for i in idx:
+      if i not in whole:  # balanced over the shards: each part of the tile grid
+        s, a = (_geometry.split_parts(x[i], parts[i]) for x in (scores, active))
+        rankings.append(([i], s, a, len(parts[i])))
+    out = list(old)
+    regrown = kept = jnp.zeros([], jnp.int32)
+    if not rankings:
+      return out, regrown, kept
+    units = [r[1] for r in rankings]
+    if self.structure is not None:
+      axis = self.axis if self.axis < 0 else self.axis + 1  # after the stack's
+      ranked = [_topk.n_m_mask(s, a, *self.structure, axis) for _, s, a, _ in rankings]
+    elif self.ranking == "per_leaf":
+      ranked = _radix_select.top_k(
+        units,
+        [r[2] for r in rankings],
+        [_topk.num_keep(target, math.prod(s.shape[j:])) for _, s, _, j in rankings],
+        [r[3] for r in rankings],
+      )
+    else:  # one top-k over the leaves in order: a stack's rows are apart
+      start = {i: sum(sizes[:n]) for n, i in enumerate(idx)}
+      ranked = _radix_select.top_k(
+        units,
+        [r[2] for r in rankings],
+        [_topk.num_keep(target, sum(sizes))],
+        [1] * len(rankings),
+        joint=True,
+        row_offsets=[[start[i] for i in r[0]] for r in rankings],
+      )
+    for (leaves, _, _, lead), m in zip(rankings, ranked, strict=True):
+      if leaves[0] not in whole:
+        m = _geometry.join_parts(m, lead)[None]
+      if self.block is not None:
+        m = _topk.untile(m, self.block)
+      o = jnp.stack([old[i] for i in leaves])
+      regrown, kept = regrown + _count([m & ~o]), kept + _count([m])
+      for r, i in enumerate(leaves):
+        out[i] = m[r]
+    return out, regrown, kept
+
+  def refreshed(
+    self, plans, treedef, params, grads, target, parts, old, inner_state, device
+  ):
+    """The refresh: new masks, the moments of regrown entries reset, and the
+    numbers of regrown and kept entries; by :meth:`device_masks` if ``device``,
+    else by :meth:`new_masks` (XLA:CPU)."""
+    param_leaves = treedef.flatten_up_to(params)
+    find = self.device_masks if device else self.new_masks
+    masks, num, kept = find(plans, param_leaves, grads, old, target, parts)
+    regrown = [
+      None if p.layout is None else masks[i] & ~old[i] for i, p in enumerate(plans)
+    ]
+
+    def reset(s):
+      return reset_moments(
+        s, regrown, treedef, self.moment_names, self.inner.init(params)
+      )
+
+    # The reset reads and writes every moment. On XLA:CPU it runs only when an
+    # entry regrew (rare with the default |W|*|g|: pruned weights score 0); a
+    # device would wait on the host for that predicate, and resets regardless.
+    if device:
+      return masks, reset(inner_state), num, kept
+    return masks, _xla_cpu.run_if(num > 0, reset, inner_state), num, kept
+
   def update(self, updates, state, params=None, **extra_args):
     refreshes = extra_args.pop("refresh", None)
     if refreshes is not None and not isinstance(refreshes, bool):
@@ -693,25 +803,13 @@ class _Pruning:
     # nothing after it reads the old masks.
     def refresh(carry):
       old_masks, inner_state, _, _, _ = carry
-      masks, num, kept = self.new_masks(
-        plans, param_leaves, grads, old_masks, target, parts
-      )
-      kept = kept.astype(jnp.float32)
-      regrown = [
-        None if p.layout is None else masks[i] & ~old_masks[i]
-        for i, p in enumerate(plans)
-      ]
-      # The reset reads and writes every moment, so it runs only when an entry
-      # regrew (rare with the default |W|*|g|: pruned weights score 0).
-      inner_state = _xla_cpu.run_if(
-        num > 0,
-        lambda s: reset_moments(
-          s, regrown, treedef, self.moment_names, self.inner.init(params)
-        ),
+      masks, inner_state, num, kept = _per_backend(
+        functools.partial(self.refreshed, plans, treedef, params, grads, target, parts),
+        old_masks,
         inner_state,
       )
       # No scoped entry (only zero-size leaves): nothing is pruned.
-      pruned = (total - kept) / max(total, 1)
+      pruned = (total - kept.astype(jnp.float32)) / max(total, 1)
       return masks, inner_state, target, num, pruned
 
     kept_as_is = (

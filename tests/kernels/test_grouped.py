@@ -124,11 +124,12 @@ def test_adam_magma_pallas_on_48_leaves_calls_few_kernels(granularity):
     text = _hlo.lowered(_step(tx), params, tx.init(params), params, platform=platform)
     return _hlo.pallas_calls(text)
 
-  assert kernel_calls() <= 12
   assert kernel_calls() == 1  # 48 leaves: one grouped call
   # Positive control: the per-leaf kernel (explicit tiles) is one call per leaf,
   # and the count sees every one; so does it on a TPU, whose kernel is per leaf.
   assert kernel_calls(block_sizes=kernels.BlockSizes(4, 32)) == 48
+  if granularity != "tensor":
+    return  # the TPU lowerings below do not depend on the granularity
   assert kernel_calls("tpu") == 48
   # Tiles the TPU kernel cannot take fail where the step is lowered for a TPU
   # (every platform's kernel is traced), not where it is lowered for CUDA.

@@ -10,11 +10,36 @@ from algorithm1 import join_shard_parts
 from algorithm1 import shard_parts
 
 import magma_optax as magma
+from magma_optax.pruning import periodic as _periodic
 
 # Repeated shapes: leaves of one shape are ranked by one computation over their stack.
 SHAPES = [(1,), (5,), (4, 5), (2, 9, 1), (2, 2, 4, 4), (4, 5), (5,), (4, 5)]
 # One sparsity per step, so a single compiled step covers all of them.
 TARGETS = np.array([0.0, 0.3, 0.5, 0.9, 0.25, 0.75, 0.1, 0.6], np.float32)
+
+
+def _forced(form):
+  """A context in which the refresh takes ``form``: ``"device"`` forces the form a
+  GPU or TPU compiles on this CPU; ``"cpu"`` is what XLA:CPU compiles anyway."""
+  patch = pytest.MonkeyPatch.context()
+  if form == "device":
+    with patch as p:
+      p.setattr(_periodic, "_per_backend", lambda f, *ops: f(*ops, device=True))
+      yield
+  else:
+    yield
+
+
+@pytest.fixture(autouse=True)
+def refresh_form(request):
+  """The refresh's form: XLA:CPU's unless a test asks for both (``BOTH_FORMS``)."""
+  form = getattr(request, "param", "cpu")
+  yield from _forced(form)
+
+
+# Tests of the refreshed masks run on both forms of the refresh (the device form
+# must find the same masks and counts).
+BOTH_FORMS = pytest.mark.parametrize("refresh_form", ["cpu", "device"], indirect=True)
 
 
 def np_keep(score, active, sparsity):
@@ -51,9 +76,15 @@ def random_tree(seed, shapes=SHAPES):
   }
 
 
-@pytest.fixture(scope="module")
-def per_leaf_run():
-  """Runs periodic_mask(sgd) with every=1 and a per-step target; records everything."""
+@pytest.fixture(scope="module", params=["cpu", "device"])
+def per_leaf_run(request):
+  """Runs periodic_mask(sgd) with every=1 and a per-step target; records everything
+  (on both forms of the refresh)."""
+  for _ in _forced(request.param):
+    return _per_leaf_run()
+
+
+def _per_leaf_run():
   schedule = lambda count: jnp.asarray(TARGETS)[jnp.minimum(count, len(TARGETS) - 1)]
   tx = magma.periodic_mask(optax.sgd(0.1), sparsity=schedule, every=1)
   params = random_tree(0)
@@ -112,6 +143,7 @@ def test_reported_sparsity(per_leaf_run):
   assert float(state.sparsity) == pytest.approx(pruned, abs=1e-6)
 
 
+@BOTH_FORMS
 def test_ties_keep_active_then_low_index():
   params = {"w": jnp.ones((2, 4))}
   tx = magma.periodic_mask(
@@ -131,6 +163,7 @@ def test_ties_keep_active_then_low_index():
   np.testing.assert_array_equal(np.asarray(state.mask["w"]), np.asarray(old))
 
 
+@BOTH_FORMS
 def test_nan_scores_rank_last():
   params = {"w": jnp.array([1.0, jnp.nan, 3.0, 2.0])}
   tx = magma.periodic_mask(
@@ -140,6 +173,7 @@ def test_nan_scores_rank_last():
   np.testing.assert_array_equal(np.asarray(state.mask["w"]), [0, 0, 1, 1])
 
 
+@BOTH_FORMS
 def test_global_ranking_matches_numpy():
   params = random_tree(1, [(3, 4), (10,)])
   grads = random_tree(2, [(3, 4), (10,)])
@@ -154,6 +188,7 @@ def test_global_ranking_matches_numpy():
   np.testing.assert_array_equal(got, want)
 
 
+@BOTH_FORMS
 @pytest.mark.parametrize("axis", [-1, 0])
 def test_n_m_structure(axis):
   params = random_tree(3, [(4, 8)])
@@ -170,6 +205,7 @@ def test_n_m_structure(axis):
   assert float(state.sparsity) == pytest.approx(0.5)
 
 
+@BOTH_FORMS
 def test_n_m_ties_are_deterministic():
   params = {"w": jnp.ones((2, 8))}
   tx = magma.periodic_mask(optax.sgd(0.0), structure=(1, 4), every=1)
@@ -197,6 +233,7 @@ def test_weights_stay_zero_over_many_steps():
   assert step._cache_size() == 1
 
 
+@BOTH_FORMS
 def test_regrown_weights_have_zeroed_moments():
   b1, b2 = 0.9, 0.999
   shape = (4, 6)
@@ -459,6 +496,7 @@ def test_top_k_of_large_leaves_matches_numpy():
     np.testing.assert_array_equal(flat, want, err_msg=name)
 
 
+@BOTH_FORMS
 def test_ordinary_steps_do_not_copy_the_masks():
   # The refresh is a while loop of zero or one iteration, which updates the masks
   # in place; a lax.cond copied every mask on every step (measured: +13 % per step
@@ -484,6 +522,7 @@ def test_ordinary_steps_do_not_copy_the_masks():
   assert any("pred[64,48]" in c for c in found) and any("pred[48]" in c for c in found)
 
 
+@BOTH_FORMS
 def test_global_ranking_ties_follow_leaf_order():
   params = {"a": jnp.ones((2, 3)), "b": jnp.ones(4)}  # flattened order: a, then b
   tx = magma.periodic_mask(
@@ -524,6 +563,7 @@ def test_inject_hyperparams_needs_static_ints_and_says_so():
   assert int(jnp.sum(pruned == 0)) == 4
 
 
+@BOTH_FORMS
 def test_sparsity_schedule_beyond_one_is_clipped():
   params = {"w": jnp.arange(1.0, 17.0).reshape(4, 4)}
   tx = magma.periodic_mask(optax.sgd(0.0), sparsity=lambda c: 0.5 + c, every=1)
@@ -534,6 +574,7 @@ def test_sparsity_schedule_beyond_one_is_clipped():
   assert float(state.sparsity) == 1.0
 
 
+@BOTH_FORMS
 @pytest.mark.parametrize("ranking", ["per_leaf", "global"])
 def test_zero_size_leaves(ranking):
   params = {"e": jnp.zeros((0, 4)), "w": jnp.arange(1.0, 17.0).reshape(4, 4)}
@@ -544,6 +585,7 @@ def test_zero_size_leaves(ranking):
   assert int(np.sum(np.asarray(state.mask["w"]))) == 8
 
 
+@BOTH_FORMS
 def test_regrown_moments_reset_inside_masked_subtrees():
   # optax.masked with a mask prefix puts a MaskedNode in place of the whole "b"
   # subtree of Adam's moments; the regrowth reset must still find mu and nu (the
@@ -571,6 +613,7 @@ def test_regrown_moments_reset_inside_masked_subtrees():
   assert seen_regrowth
 
 
+@BOTH_FORMS
 def test_only_zero_size_leaves_prune_nothing():
   params = {"e": jnp.zeros((0, 4))}
   tx = magma.periodic_mask(optax.adam(0.1), sparsity=0.5, every=1, ranking="global")
@@ -590,6 +633,7 @@ def np_untile(tiles, block):
   return np.repeat(np.repeat(tiles, block[0], axis=-2), block[1], axis=-1)
 
 
+@BOTH_FORMS
 @pytest.mark.parametrize("ranking", ["per_leaf", "global"])
 def test_tile_masks_match_numpy(ranking):
   block = (2, 4)
@@ -638,6 +682,7 @@ def test_tile_masks_match_numpy(ranking):
   assert step._cache_size() == 1
 
 
+@BOTH_FORMS
 def test_tile_masks_balanced_over_shards_match_numpy():
   block = (2, 4)
   shapes = [(8, 16), (3, 4, 16)]
@@ -706,6 +751,7 @@ def test_tile_masks_balanced_over_shards_match_numpy():
         tx.init(w)
 
 
+@BOTH_FORMS
 def test_tile_ties_keep_active_then_low_tile_index():
   params = {"w": jnp.ones((4, 4))}
   tx = magma.periodic_mask(
@@ -790,6 +836,7 @@ def test_stacks_of_leaves_hold_at_most_the_cap():
   assert _trees.same_shape_groups(xs[:2], 31) == [[0], [1]]  # a leaf over it: alone
 
 
+@BOTH_FORMS
 @pytest.mark.parametrize("importance", ["callable", "magnitude"])
 @pytest.mark.parametrize("ranking", ["per_leaf", "global"])
 def test_tiles_with_nan_inf_and_signed_zero_scores_match_numpy(ranking, importance):
@@ -861,6 +908,7 @@ def _equal_products(rows):
   return p, g
 
 
+@BOTH_FORMS
 @pytest.mark.machine_code
 @pytest.mark.parametrize("ranking", ["per_leaf", "global"])
 @pytest.mark.parametrize("importance", ["callable", "magnitude_grad"])
@@ -885,6 +933,7 @@ def test_tiles_of_equal_entry_scores_tie(importance, ranking):
   np.testing.assert_array_equal(np.asarray(state.mask["w"])[:, ::2], want)
 
 
+@BOTH_FORMS
 @pytest.mark.machine_code
 def test_tiles_rank_a_bfloat16_callable_on_its_rounded_output():
   # The callable computes in bfloat16; the tiles rank the sums of its (rounded)
@@ -904,6 +953,7 @@ def test_tiles_rank_a_bfloat16_callable_on_its_rounded_output():
   np.testing.assert_array_equal(np.asarray(state.mask["w"]), np_untile(want, (2, 2)))
 
 
+@BOTH_FORMS
 @pytest.mark.parametrize("jit", [False, True])
 def test_signed_zero_scores_tie(jit):
   # -0.0 and +0.0 tie, so the lower index is kept: the two -0.0 entries come first.
@@ -918,17 +968,22 @@ def test_signed_zero_scores_tie(jit):
   np.testing.assert_array_equal(state.mask["w"], [1, 1, 0, 0, 1, 1, 1, 1])
 
 
+REVERSE_CASES = {
+  "element": {"sparsity": 0.5},
+  "n_m": {"structure": (2, 4)},
+  "tiles": {"sparsity": 0.5, "block": (2, 4)},
+  "compact_inner": {"sparsity": 0.5, "inner": "compact"},
+}
+
+
+@pytest.mark.parametrize("refresh_form", ["device"], indirect=True)
+@pytest.mark.parametrize("name, loop", [("element", "scan"), ("tiles", "python")])
+def test_reverse_mode_through_device_refreshes(name, loop):
+  test_reverse_mode_through_refreshes(REVERSE_CASES[name], loop)
+
+
 @pytest.mark.parametrize("loop", ["python", "scan"])
-@pytest.mark.parametrize(
-  "kw",
-  [
-    {"sparsity": 0.5},
-    {"structure": (2, 4)},
-    {"sparsity": 0.5, "block": (2, 4)},
-    {"sparsity": 0.5, "inner": "compact"},
-  ],
-  ids=["element", "n_m", "tiles", "compact_inner"],
-)
+@pytest.mark.parametrize("kw", REVERSE_CASES.values(), ids=REVERSE_CASES.keys())
 def test_reverse_mode_through_refreshes(kw, loop):
   # d loss(params after 3 steps) / d learning rate through refreshes every step,
   # the steps unrolled in Python or in a lax.scan: the refresh's zero-or-one-step
