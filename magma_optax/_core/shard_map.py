@@ -186,6 +186,11 @@ def cond(pred: Any, true_fun: Any, false_fun: Any, *operands: Any) -> Any:
   return jax.lax.cond(pred, true_fun, false_fun, *operands)
 
 
+def switch(index: Any, branches: list[Any], *operands: Any) -> Any:
+  """``jax.lax.switch``, also inside ``jax.shard_map`` (as :func:`cond`)."""
+  return jax.lax.switch(index, _same_types(list(branches), operands), *operands)
+
+
 def platform_dependent(*operands: Any, default: Any, **per_platform: Any) -> Any:
   """``per_platform[p](*operands)`` for the platform ``p`` the step is lowered for
   (``cpu``, ``cuda``, ``rocm``, ``tpu``), else ``default(*operands)``:

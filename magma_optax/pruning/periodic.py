@@ -850,6 +850,13 @@ class _Pruning:
     def ordinary(inner_state):  # the masks of the previous update
       return *kept_as_is, *inner_update(old, inner_state, unchanged=True)
 
+    def first_step(inner_state):  # the initial masks, new to the inner transform
+      return *kept_as_is, *inner_update(old, inner_state, unchanged=False)
+
+    def refreshed(inner_state):  # a step the count makes a refresh
+      masks, inner_state, *rest = refresh((old, inner_state, *kept_as_is[1:]))
+      return masks, *rest, *inner_update(masks, inner_state, unchanged=False)
+
     if refreshes is True:
       outs = gated(state.inner_state)
     elif refreshes is False:
@@ -861,11 +868,12 @@ class _Pruning:
       # for the whole step, whose ordinary side holds no loop at all. XLA:CPU
       # keeps the loop of zero or one step, which updates the state in place (a
       # cond would copy it).
-      first = count == 0  # the inner transform has not seen a mask yet
+      index = jnp.where(is_refresh, 2, jnp.where(count == 0, 1, 0))
+      branches = [ordinary, first_step, refreshed]
       outs = _shard_map.platform_dependent(
         state.inner_state,
         cpu=gated,
-        default=lambda s: _shard_map.cond(is_refresh | first, gated, ordinary, s),
+        default=lambda s: _shard_map.switch(index, branches, s),
       )
     masks, target_now, num_regrown, sparsity_now, inner_updates, inner_state = outs
     mask_tree = treedef.unflatten(masks)

@@ -73,10 +73,11 @@ def test_refresh_step_for_a_device_has_no_data_dependent_control_flow_but_its_ga
 ):
   step, args = _refresh_step(**CASES[name])
   cuda = _lowered(step, *args)
-  # The refresh gate (one while around the whole refresh) and nothing inside it.
-  assert _hlo.data_dependent_control_flow(cuda) == {"while": 1, "case": 0, "if": 0}
+  # The refresh gate (one branch around the whole step: refresh or not) and
+  # nothing inside it.
+  assert _hlo.data_dependent_control_flow(cuda) == {"while": 0, "case": 1, "if": 0}
   if name != "n_m":  # the search's two loops are there, with constant trip counts
-    assert _loops(cuda) == 3
+    assert _loops(cuda) == 2
   # Positive control: XLA:CPU keeps its search's loops and branches (and the loop
   # that resets regrown moments only when an entry regrew), which the same count
   # sees inside the gate.
@@ -90,7 +91,7 @@ def test_refresh_step_for_a_device_has_no_data_dependent_control_flow_but_its_ga
 def test_refresh_step_for_a_tpu_has_no_data_dependent_control_flow_but_its_gate(name):
   step, args = _refresh_step(**CASES[name])
   tpu = _hlo.data_dependent_control_flow(_lowered(step, *args, platform="tpu"))
-  assert tpu == {"while": 1, "case": 0, "if": 0}
+  assert tpu == {"while": 0, "case": 1, "if": 0}
 
 
 def test_the_search_alone_has_none():
