@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from magma_optax._core import shard_map as _shard_map
+from magma_optax._core import sharded as _sharded
 from magma_optax.pruning import topk as _topk
 
 # Bits of the cut decided per counting pass: each pass counts every entry against
@@ -84,10 +85,17 @@ def _kth_largest(
       t + (digit(counts(i, t, shift), k[i]) << shift) for i, t in enumerate(prefixes)
     ]
 
-  rows = [jax.eval_shape(v).shape[:j] for v, j in zip(values, lead, strict=True)]
-  init = [
-    jnp.zeros([] if joint else r, jnp.uint32) for r in (rows[:1] if joint else rows)
-  ]
+  if joint:
+    init = [jnp.zeros([], jnp.uint32)]
+  else:
+    # Over Explicit mesh axes a cut has its rows' sharding type, as the counts
+    # the loop's body adds to it (a carry must keep its type).
+    init = []
+    for v, j in zip(values, lead, strict=True):
+      x = v()
+      spec = _sharded.explicit_spec(x)
+      zeros = jnp.zeros(x.shape[:j], jnp.uint32)
+      init.append(zeros if spec is None else _sharded.put_like(zeros, x, spec[:j]))
   return _shard_map.fori_loop(0, steps, step, init)
 
 
