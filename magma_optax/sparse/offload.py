@@ -140,7 +140,7 @@ def _put(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
     return _copy_to(sharding)(x)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _copy_to(sharding: jax.sharding.Sharding) -> Any:
   return jax.jit(lambda a: a, out_shardings=sharding)
 
