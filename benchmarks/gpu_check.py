@@ -21,8 +21,9 @@ skipped with a message; ``--sections`` picks and orders them):
    ``step_overhead.py`` and 100 M parameters in 8 leaves (with the Pallas kernel
    alone there, against the roofline).
 4. ``sparse-8m``, ``sparse-transformer`` (issue 46): ``periodic_mask(optax.adam)``'s
-   ordinary step, ``sparse_state`` skip storage, unstructured compact storage,
-   ``sparse_adam`` tiles (8, 128) at density 0.3, and one refresh at ``every=100``
+   ordinary step (gated, and gate-free: ``refresh=False``), ``sparse_state`` skip
+   storage, unstructured compact storage, ``sparse_adam`` tiles (8, 128) at density
+   0.3, and one refresh at ``every=100``
    (constant and ramped sparsity) as a share of the run and in Adam steps; on 8.4 M
    parameters (8 square 1024 leaves and their biases) and on the 144-leaf tree.
 5. ``tile-bandwidth``: the tile kernel alone against its XLA reference.
@@ -154,6 +155,7 @@ TILE_CASES = [
 SMOKE_TILE_CASES = [((2, 16, 256), jnp.float32, jnp.float32)]
 ROLLFAST_MAGMA = "rollfast adamw(use_magma=True)"
 ORDINARY = "periodic_mask(optax.adam), ordinary step"
+GATE_FREE = "periodic_mask(optax.adam), refresh=False"
 # Issue 44 deliverable 5 and issue 46 deliverable 4: (tree kind, row, op, limit).
 DENSE_TARGETS = [
   ("dense-peers", "adam_magma[default]", "<=", 1.10),
@@ -173,7 +175,7 @@ SMOKE_ROWS = {
   "dense-peers": [BASE, "magma(optax.adam)", ROLLFAST_MAGMA],
   "dense-transformer": [BASE, "skip_update(optax.adam)"],
   "dense-100m": [BASE, "masked_adam[xla]"],
-  "sparse-8m": [BASE, ORDINARY, "sparse_state skip, density 0.5",
+  "sparse-8m": [BASE, ORDINARY, GATE_FREE, "sparse_state skip, density 0.5",
                 "sparse_adam tiles (8, 128), density 0.3", "refresh, constant 0.5"],
   "sparse-transformer": [BASE, "sparse_state skip, density 0.5"],
   "tile-bandwidth": ["tile_adam[pallas]", "tile_adam[xla]"],
@@ -1178,6 +1180,15 @@ def kernel_alone(ctx: Context, n: int) -> dict:
   return out
 
 
+def gate_free(tx):
+  """``tx`` whose updates pass ``refresh=False`` (periodic_mask's gate-free step)."""
+
+  def update(updates, state, params=None, **extra_args):
+    return tx.update(updates, state, params, refresh=False, **extra_args)
+
+  return optax.GradientTransformationExtraArgs(tx.init, update)
+
+
 def sparse_makers(ctx: Context, params) -> dict:
   """``name -> (make tx, mask)`` of issue 46's rows."""
   adam = optax.adam(1e-3)
@@ -1201,6 +1212,11 @@ def sparse_makers(ctx: Context, params) -> dict:
     BASE: (lambda: adam, None),
     ORDINARY: (
       lambda: magma.periodic_mask(adam, sparsity=0.5, every=10**6),
+      None,
+    ),
+    # The ordinary step of a loop that passes refresh= itself: no gate at all.
+    GATE_FREE: (
+      lambda: gate_free(magma.periodic_mask(adam, sparsity=0.5, every=10**6)),
       None,
     ),
     "sparse_state skip, density 0.5": (
