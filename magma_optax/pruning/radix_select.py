@@ -133,6 +133,15 @@ def top_k(
   the masks. A counting pass compares every entry with ``2**D - 1`` candidates in
   one reduction per array and adds up per row (joint: all-reduced to one count
   per candidate).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from magma_optax.pruning import radix_select
+    >>> s = jnp.array([[0.5, 2.0, 2.0, -1.0], [3.0, 0.0, 1.0, 2.0]])
+    >>> a = jnp.array([[True, False, True, True], [False] * 4])
+    >>> (m,) = radix_select.top_k([s], [a], [1], lead=[1])
+    >>> m.astype(int).tolist()  # a tie at 2.0: the active entry wins
+    [[0, 0, 1, 0], [1, 0, 0, 0]]
   """
   n = len(scores)
   lead = [0] * n if lead is None else list(lead)
