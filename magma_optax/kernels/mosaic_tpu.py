@@ -235,15 +235,7 @@ def masked_adam_pallas_tpu(
   leaves += [params] if params is not None else []
   tile_spec = pl.BlockSpec(tile, tile_map)
   small_spec = pl.BlockSpec(small, small_map)
-  sums_shape = jax.ShapeDtypeStruct(scale.shape, jnp.float32)
-  out_shape = (
-    jax.ShapeDtypeStruct(view, mu.dtype),
-    jax.ShapeDtypeStruct(view, nu.dtype),
-    jax.ShapeDtypeStruct(view, grad.dtype),
-    sums_shape,
-    sums_shape,
-    sums_shape,
-  )
+  out_shape = _rows.out_shapes(view, scale.shape, grad, mu, nu)
   grid_spec = pltpu.PrefetchScalarGridSpec(
     num_scalar_prefetch=1,  # hyper: SMEM scalars
     grid=grid,

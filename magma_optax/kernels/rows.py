@@ -59,6 +59,20 @@ def row_sums_to_blocks(row_sums, layout: _blocks.BlockLayout, rows_per_block: in
   return jnp.sum(per_block, axis=1).reshape(layout.block_shape)
 
 
+def out_shapes(view, sums, grad, mu, nu) -> tuple:
+  """A masked-Adam kernel's results: new mu, nu and update of shape ``view`` (in
+  the dtypes of ``mu``, ``nu``, ``grad``), and three float32 sums of shape ``sums``."""
+  sums = jax.ShapeDtypeStruct(sums, jnp.float32)
+  return (
+    jax.ShapeDtypeStruct(view, mu.dtype),
+    jax.ShapeDtypeStruct(view, nu.dtype),
+    jax.ShapeDtypeStruct(view, grad.dtype),
+    sums,
+    sums,
+    sums,
+  )
+
+
 @dataclasses.dataclass(frozen=True)
 class RowView:
   """One leaf's masked-Adam operands as rows of ``cols`` entries, tiled by ``rows``.
@@ -114,16 +128,7 @@ class RowView:
 
   def out_shape(self, grad, mu, nu) -> tuple:
     """The kernel's results: new mu, nu and update rows, three per-row sums."""
-    tile = (self.num_rows, self.cols)
-    sums = jax.ShapeDtypeStruct((self.num_rows,), jnp.float32)
-    return (
-      jax.ShapeDtypeStruct(tile, mu.dtype),
-      jax.ShapeDtypeStruct(tile, nu.dtype),
-      jax.ShapeDtypeStruct(tile, grad.dtype),
-      sums,
-      sums,
-      sums,
-    )
+    return out_shapes((self.num_rows, self.cols), (self.num_rows,), grad, mu, nu)
 
   def outputs(self, new_m, new_v, u, dot, msq, gsq) -> reference.MaskedAdamOutput:
     """The kernel's results back on the leaf and its blocks."""
