@@ -157,10 +157,8 @@ def sparse_state(
       complex, in every storage); others are updated densely by ``base``.
     cache_index: unstructured compact storage (``density`` without ``structure``
       or ``block``) keeps the int32 indices of its stored entries (4 bytes per
-      slot) so that their index is rebuilt only when the mask changes (default).
-      ``False`` stores 1 bit per entry only and rebuilds the index every step:
-      the least memory (the stored entries' moments plus ``size / 8`` bytes), for
-      a slower step (``benchmarks/RESULTS.md``).
+      slot), rebuilt only when the mask changes (default). ``False`` stores 1 bit
+      per entry and rebuilds the index every step: the least memory, a slower step.
     on_error: how a step reports a parameter mask that compact storage cannot
       hold (a capacity overflow, or a mask not made of whole tiles). In both
       settings a leaf whose mask fails keeps its stored entries or tiles (its
@@ -171,9 +169,8 @@ def sparse_state(
       reads values anyway (as ``optax.apply_if_finite`` skips and counts).
       ``"raise"`` (default) also raises a ``ValueError`` from the step where that
       costs no device round trip: outside ``jax.jit``, and under ``jax.jit``
-      lowered for XLA:CPU through a host callback, which JAX reports as a
-      ``JaxRuntimeError`` or a ``ValueError`` (the message on its last line); the
-      callback's presence alone makes XLA:CPU run every step synchronously.
+      lowered for XLA:CPU through a host callback (reported as a
+      ``JaxRuntimeError`` or ``ValueError``; it makes every CPU step synchronous).
       Lowered for a GPU or a TPU the step holds no callback: the failure is
       recorded only. Inside :func:`periodic_mask` with a constant Python number
       for ``sparsity`` ranked per leaf, or N:M ``structure``, its masks cannot
