@@ -95,6 +95,7 @@ from magma_optax import kernels  # noqa: E402
 
 _HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
+import device_checks  # noqa: E402
 import step_overhead  # noqa: E402
 import trace_stats  # noqa: E402
 
@@ -856,19 +857,8 @@ def check_optimizer(ctx: Context, n: int, interprets) -> bool:
   for interpret in interprets:
     out = {}
     try:
-      for impl in ("xla", "pallas"):
-        tx = magma.adam_magma(
-          1e-3,
-          key=0,
-          granularity="row",
-          implementation=impl,
-          interpret=interpret if impl == "pallas" else False,
-        )
-        state, p = tx.init(params), params
-        update = jax.jit(tx.update)
-        for _ in range(3):
-          u, state = update(grads, state, p)
-          p = optax.apply_updates(p, u)
+      runs = device_checks.adam_magma_runs(params, grads, interpret)
+      for impl, (u, state) in runs.items():
         out[impl] = (u, magma.mask_stats(state)["mask"])
     except Exception as e:  # noqa: BLE001
       ok &= check(
@@ -930,21 +920,6 @@ def check_top_k(ctx: Context, shape, smoke: bool = False) -> bool:
   return ok
 
 
-def _tile_inputs(shape, block, density, g_dtype, m_dtype, empty=0, seed=0):
-  """A leaf's gradient and random moments of ``active + empty`` sorted slots."""
-  r, c = block
-  g = jax.random.normal(jax.random.key(seed), shape).astype(g_dtype)
-  n = int(np.prod(shape[:-1])) // r * (shape[-1] // c)
-  active = max(1, round(density * n))
-  rng = np.random.default_rng(seed)
-  idx = np.full(active + empty, n, np.int32)
-  idx[:active] = np.sort(rng.choice(n, active, replace=False))
-  k = jax.random.split(jax.random.key(seed + 1))
-  mu = (0.1 * jax.random.normal(k[0], (len(idx), r, c))).astype(m_dtype)
-  nu = 0.01 * jax.random.uniform(k[1], (len(idx), r, c))
-  return g, mu, nu, jnp.asarray(idx)
-
-
 def _tile_fn(impl, interpret=False):
   def fn(g, m, v, i):
     out = kernels.tile_adam(
@@ -969,7 +944,7 @@ def check_tiles(ctx: Context, cases, blocks, interprets) -> bool:
     for (shape, g_dtype, m_dtype), block in zip(
       cases * len(blocks), [b for b in blocks for _ in cases], strict=True
     ):
-      args = _tile_inputs(shape, block, 0.3, g_dtype, m_dtype, empty=3)
+      args = device_checks.tile_inputs(shape, block, 0.3, g_dtype, m_dtype, empty=3)
       what = (
         f"tile kernel[pallas, interpret={interpret}] {shape} block {block}"
         f" K={len(args[3])} {jnp.dtype(g_dtype).name}/{jnp.dtype(m_dtype).name}"
@@ -1346,7 +1321,9 @@ def section_tile_bandwidth(ctx: Context) -> dict:
   out = {}
   for block in [(8, 128)] if ctx.smoke else [(8, 128), (1, 128)]:
     for density in [0.3] if ctx.smoke else [0.1, 0.3, 1.0]:
-      g, mu, nu, idx = _tile_inputs(shape, block, density, jnp.float32, jnp.float32)
+      g, mu, nu, idx = device_checks.tile_inputs(
+        shape, block, density, jnp.float32, jnp.float32
+      )
 
       def make(impl, g=g, idx=idx, mu=mu, nu=nu):
         fn = _tile_fn(impl, ctx.interpret)

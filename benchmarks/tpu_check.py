@@ -44,7 +44,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 import magma_optax as magma
 from magma_optax import kernels
@@ -56,6 +55,7 @@ from magma_optax.kernels.tiles import api as tiles
 from magma_optax.kernels.tiles import pallas as pallas_tiles
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import device_checks  # noqa: E402
 import step_overhead  # noqa: E402
 
 # (shape, granularity, dtype, parameter mask); weight decay in every case.
@@ -143,21 +143,7 @@ def _check_backend(cases, interpret, backend) -> bool:
 def check_optimizer(num_params=2_000_000, interpret=False) -> bool:
   """``adam_magma(implementation="pallas", interpret=interpret)`` vs ``"xla"``."""
   params, grads = step_overhead.make_params(num_params, 4)
-  out = {}
-  for impl in ("xla", "pallas"):
-    tx = magma.adam_magma(
-      1e-3,
-      key=0,
-      granularity="row",
-      implementation=impl,
-      interpret=interpret if impl == "pallas" else False,
-    )
-    state, p = tx.init(params), params
-    update = jax.jit(tx.update)
-    for _ in range(3):
-      u, state = update(grads, state, p)
-      p = optax.apply_updates(p, u)
-    out[impl] = (u, state)
+  out = device_checks.adam_magma_runs(params, grads, interpret)
   err = max(
     float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
     for a, b in zip(
@@ -232,17 +218,10 @@ tile_adam_xla = tiles.tile_adam_reference
 def _tile_inputs(shape, block, density, g_dtype, m_dtype, empty=0, seed=0):
   """g as (rows, r, cols, c), random moments of K = active + ``empty`` slots."""
   r, c = block
-  g4 = jax.random.normal(jax.random.key(seed), shape).astype(g_dtype)
-  g4 = g4.reshape(-1, r, shape[-1] // c, c)
-  n = g4.shape[0] * g4.shape[2]
-  active = max(1, round(density * n))
-  rng = np.random.default_rng(seed)
-  idx = np.full(active + empty, n, np.int32)
-  idx[:active] = np.sort(rng.choice(n, active, replace=False))
-  k = jax.random.split(jax.random.key(seed + 1))
-  mu = (0.1 * jax.random.normal(k[0], (len(idx), r, c))).astype(m_dtype)
-  nu = 0.01 * jax.random.uniform(k[1], (len(idx), r, c))
-  return g4, mu, nu, jnp.asarray(idx)
+  g, mu, nu, idx = device_checks.tile_inputs(
+    shape, block, density, g_dtype, m_dtype, empty, seed
+  )
+  return g.reshape(-1, r, shape[-1] // c, c), mu, nu, idx
 
 
 def check_tiles(cases, blocks, backends, interpret=False) -> bool:
